@@ -1,0 +1,307 @@
+"""BlockIndex: the only thing sparse kernels see.
+
+A BlockIndex lists, for every (batch, head, query block), which key blocks a query block attends to and
+which single key columns it gathers besides. It is plain tensors plus a few integers: no pattern objects,
+no methods that hide work.
+
+Semantics (what the kernel computes, and what ``reference.index_to_mask`` reproduces). For query row ``i``
+(0-based within its sequence, in query block ``i // block_m``) of a sequence with ``q_len`` queries and
+``kv_len`` keys, let ``pos = i + kv_len - q_len`` (queries are bottom-right aligned, as in FlashAttention).
+Key ``j`` is admitted iff ``j < kv_len`` and ``j <= pos`` and one of:
+
+* ``j // block_n`` is a *full* block of the row's query block (no mask at all is applied: the builder
+  guarantees every such key is causal and in range for every valid row of the block);
+* ``j // block_n`` is a *partial* block and the token mask holds: ``window < 0`` or ``pos - j < window``
+  or ``j < sink`` (causality and ``j < kv_len`` are always applied in partial blocks);
+* ``j`` is one of the row's query block's gathered *columns* (vertical lines outside every listed block).
+
+Full blocks, partial blocks and columns are disjoint. A row with no admitted key yields output 0 and
+lse = -inf.
+
+Shapes (``B`` batch or number of varlen sequences, ``H`` heads of ``head_space``, ``QB`` query blocks of
+the longest sequence):
+
+* ``full_count``    int32 [B, H, QB]       number of valid entries in ``full_idx``
+* ``full_idx``      int32 [B, H, QB, F]    key-block ids, ascending in the first ``full_count`` entries
+* ``partial_count`` int32 [B, H, QB]
+* ``partial_idx``   int32 [B, H, QB, P]
+* ``col_count``     int32 [B, H, QB]       or None
+* ``col_idx``       int32 [B, H, QB, C]    token ids, ascending in the first ``col_count`` entries, or None
+
+Entries past a count are padding (0) and are never read. ``head_space`` says whether ``H`` counts query
+heads ("query") or KV heads ("kv": every query head of a GQA group shares its KV head's index).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+HEAD_SPACES = ("query", "kv")
+BLOCK_SIZES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class BlockIndex:
+    full_count: torch.Tensor
+    full_idx: torch.Tensor
+    partial_count: torch.Tensor
+    partial_idx: torch.Tensor
+    block_m: int
+    block_n: int
+    head_space: str = "query"
+    col_count: torch.Tensor | None = None
+    col_idx: torch.Tensor | None = None
+    window: int = -1
+    sink: int = 0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.head_space not in HEAD_SPACES:
+            raise ValueError(f"head_space must be one of {HEAD_SPACES}, got {self.head_space!r}")
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value not in BLOCK_SIZES:
+                raise ValueError(f"{name} must be one of {BLOCK_SIZES}, got {value}")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+        if self.window == 0 or self.window < -1:
+            raise ValueError(f"window must be -1 (off) or >= 1, got {self.window}")
+        if (self.col_count is None) != (self.col_idx is None):
+            raise ValueError("col_count and col_idx must be given together")
+        shape = tuple(self.full_count.shape)
+        if len(shape) != 3:
+            raise ValueError(f"full_count must be [B, H, QB], got shape {shape}")
+        pairs = [("full", self.full_count, self.full_idx), ("partial", self.partial_count, self.partial_idx)]
+        if self.col_count is not None:
+            pairs.append(("col", self.col_count, self.col_idx))
+        for name, count, idx in pairs:
+            if tuple(count.shape) != shape:
+                raise ValueError(f"{name}_count must have shape {shape}, got {tuple(count.shape)}")
+            if idx.dim() != 4 or tuple(idx.shape[:3]) != shape:
+                raise ValueError(f"{name}_idx must be [B, H, QB, n] with [B, H, QB] = {shape}, got {tuple(idx.shape)}")
+            for tensor in (count, idx):
+                if tensor.dtype != torch.int32:
+                    raise ValueError(f"{name} tensors must be int32, got {tensor.dtype}")
+                if tensor.device != self.full_count.device:
+                    raise ValueError(f"{name} tensors are on {tensor.device}, full_count on {self.full_count.device}")
+
+    @property
+    def batch(self) -> int:
+        return self.full_count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.full_count.shape[1]
+
+    @property
+    def q_blocks(self) -> int:
+        return self.full_count.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.full_count.device
+
+    def to(self, device: torch.device | str) -> "BlockIndex":
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
+            if getattr(self, name) is not None
+        }
+        return replace(self, **moved)
+
+    def expand_batch(self, batch: int) -> "BlockIndex":
+        """Broadcast an index built once (B == 1) to ``batch`` sequences without copying."""
+        if self.batch == batch:
+            return self
+        if self.batch != 1:
+            raise ValueError(f"can only expand an index with batch 1, this one has batch {self.batch}")
+        grown = {
+            name: getattr(self, name).expand(batch, *getattr(self, name).shape[1:])
+            for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
+            if getattr(self, name) is not None
+        }
+        return replace(self, **grown)
+
+    def computed_blocks(self) -> torch.Tensor:
+        """int64 [B, H, QB]: key blocks each query block loads (full + partial; columns not included)."""
+        return self.full_count.long() + self.partial_count.long()
+
+
+def num_blocks(length: int, block: int) -> int:
+    return (length + block - 1) // block
+
+
+def pack_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a boolean selection into (count, sorted ids) without a Python loop.
+
+    mask: bool [..., K] -> count int32 [...], ids int32 [..., max(1, max count)] ascending, 0-padded.
+    Used for block-level masks ([B, H, QB, KB]) and per-block column selections ([B, H, QB, N]).
+    """
+    count = mask.sum(-1, dtype=torch.int32)
+    width = max(1, int(count.max().item()) if count.numel() else 1)
+    # Selected ids keep their own value, unselected get K (past every id); sorting puts the selection first.
+    size = mask.shape[-1]
+    ids = torch.arange(size, device=mask.device, dtype=torch.int32).expand(mask.shape)
+    keyed = torch.where(mask, ids, torch.full_like(ids, size))
+    ordered = keyed.sort(dim=-1).values[..., :width]
+    ordered = torch.where(ordered == size, torch.zeros_like(ordered), ordered)
+    return count, ordered.contiguous()
+
+
+def from_block_masks(
+    full: torch.Tensor,
+    partial: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    *,
+    head_space: str = "query",
+    columns: torch.Tensor | None = None,
+    window: int = -1,
+    sink: int = 0,
+) -> BlockIndex:
+    """Build an index from block-level masks.
+
+    full, partial: bool [B, H, QB, KB] (disjoint); columns: bool [B, H, QB, N] token selection or None.
+    Block-level masks are O(QB x KB), never token x token.
+    """
+    if full.shape != partial.shape:
+        raise ValueError(f"full and partial masks differ in shape: {tuple(full.shape)} vs {tuple(partial.shape)}")
+    if bool((full & partial).any()):
+        raise ValueError("a block cannot be both full and partial")
+    full_count, full_idx = pack_lists(full)
+    partial_count, partial_idx = pack_lists(partial)
+    col_count = col_idx = None
+    if columns is not None:
+        col_count, col_idx = pack_lists(columns)
+    return BlockIndex(
+        full_count, full_idx, partial_count, partial_idx, block_m, block_n, head_space,
+        col_count, col_idx, window, sink,
+    )
+
+
+def to_block_masks(index: BlockIndex, kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``from_block_masks`` for the block part: (full, partial) bool [B, H, QB, KB]."""
+    return _scatter(index.full_count, index.full_idx, kv_blocks), _scatter(index.partial_count, index.partial_idx, kv_blocks)
+
+
+def to_column_mask(index: BlockIndex, kv_len: int) -> torch.Tensor:
+    """Gathered columns as bool [B, H, QB, kv_len] (all False when the index has none)."""
+    if index.col_count is None:
+        return torch.zeros(*index.full_count.shape, kv_len, dtype=torch.bool, device=index.device)
+    return _scatter(index.col_count, index.col_idx, kv_len)
+
+
+def _scatter(count: torch.Tensor, idx: torch.Tensor, size: int) -> torch.Tensor:
+    valid = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)
+    out = torch.zeros(*count.shape, size + 1, dtype=torch.bool, device=idx.device)
+    # Invalid entries land in the spare slot `size`, which is dropped.
+    target = torch.where(valid, idx.long().clamp(0, size), torch.full_like(idx, size, dtype=torch.long))
+    out.scatter_(-1, target, True)
+    return out[..., :size]
+
+
+def validate(index: BlockIndex, q_lens: list[int] | int, kv_lens: list[int] | int | None = None) -> None:
+    """Check bounds, sortedness, disjointness and causality of an index; raise ValueError naming the problem.
+
+    For tests and debugging: it moves the index to the CPU and is O(B·H·QB·(F+P+C)).
+    """
+    batch = index.batch
+    q_lens = [q_lens] * batch if isinstance(q_lens, int) else list(q_lens)
+    kv_lens = q_lens if kv_lens is None else ([kv_lens] * batch if isinstance(kv_lens, int) else list(kv_lens))
+    if len(q_lens) != batch or len(kv_lens) != batch:
+        raise ValueError(f"need {batch} lengths, got {len(q_lens)} query and {len(kv_lens)} key lengths")
+    cpu = index.to("cpu")
+    lists = [("full", cpu.full_count, cpu.full_idx, cpu.block_n), ("partial", cpu.partial_count, cpu.partial_idx, cpu.block_n)]
+    if cpu.col_count is not None:
+        lists.append(("col", cpu.col_count, cpu.col_idx, 1))
+    for b in range(batch):
+        q_len, kv_len = q_lens[b], kv_lens[b]
+        if q_len > kv_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} exceeds kv_len {kv_len}")
+        q_blocks = num_blocks(q_len, cpu.block_m)
+        if q_blocks > cpu.q_blocks:
+            raise ValueError(f"sequence {b}: needs {q_blocks} query blocks, index has {cpu.q_blocks}")
+        kv_blocks = num_blocks(kv_len, cpu.block_n)
+        offset = kv_len - q_len
+        for name, count, idx, unit in lists:
+            for h in range(cpu.heads):
+                for qb in range(q_blocks):
+                    n = int(count[b, h, qb])
+                    where = f"{name} list of (batch {b}, head {h}, q block {qb})"
+                    if n < 0 or n > idx.shape[-1]:
+                        raise ValueError(f"{where}: count {n} outside [0, {idx.shape[-1]}]")
+                    ids = idx[b, h, qb, :n]
+                    if n and bool((ids[1:] <= ids[:-1]).any()):
+                        raise ValueError(f"{where}: ids not strictly ascending: {ids.tolist()}")
+                    limit = kv_blocks if unit != 1 else kv_len
+                    if n and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+                        raise ValueError(f"{where}: id out of range [0, {limit}): {ids.tolist()}")
+                    last_pos = min(q_len, (qb + 1) * cpu.block_m) - 1 + offset
+                    if n and name != "col" and int(ids.max()) * cpu.block_n > last_pos:
+                        raise ValueError(f"{where}: block {int(ids.max())} lies wholly above the causal diagonal")
+                    if n and name == "col" and int(ids.max()) > last_pos:
+                        raise ValueError(f"{where}: column {int(ids.max())} lies above the causal diagonal")
+                    if name == "full" and n:
+                        first_pos = qb * cpu.block_m + offset
+                        top = (int(ids.max()) + 1) * cpu.block_n - 1
+                        if top > first_pos or top >= kv_len:
+                            raise ValueError(
+                                f"{where}: full block {int(ids.max())} needs a mask (causal or kv_len bound); "
+                                "list it as partial"
+                            )
+                        if cpu.window >= 0:
+                            # Every key of every full block must pass the window (or sink) test for every row.
+                            lowest = ids.long() * cpu.block_n
+                            in_sink = (lowest + cpu.block_n) <= cpu.sink
+                            in_window = (last_pos - lowest) < cpu.window
+                            if not bool((in_sink | in_window).all()):
+                                raise ValueError(f"{where}: a full block crosses the window edge; list it as partial")
+    full, partial = to_block_masks(cpu, max(1, max(num_blocks(k, cpu.block_n) for k in kv_lens)))
+    if bool((full & partial).any()):
+        raise ValueError("a key block is listed as both full and partial")
+    if cpu.col_count is not None:
+        cols = to_column_mask(cpu, max(kv_lens))
+        covered = (full | partial).repeat_interleave(cpu.block_n, dim=-1)[..., : cols.shape[-1]]
+        if bool((cols & covered).any()):
+            raise ValueError("a gathered column lies inside a listed key block")
+
+
+def stack(indices: list[BlockIndex]) -> BlockIndex:
+    """Stack per-sequence indices (each batch 1, e.g. one per varlen sequence) into one of batch len(indices).
+
+    Query blocks and list widths are padded to the largest; padded entries have count 0.
+    """
+    if not indices:
+        raise ValueError("stack needs at least one index")
+    first = indices[0]
+    for other in indices[1:]:
+        same = (other.block_m, other.block_n, other.head_space, other.heads, other.window, other.sink)
+        if same != (first.block_m, first.block_n, first.head_space, first.heads, first.window, first.sink):
+            raise ValueError(f"cannot stack indices with different blocks/heads/masks: {same}")
+        if (other.col_count is None) != (first.col_count is None):
+            raise ValueError("cannot stack indices with and without gathered columns")
+    q_blocks = max(i.q_blocks for i in indices)
+
+    def pad(t: torch.Tensor, width: int | None) -> torch.Tensor:
+        shape = (t.shape[0], t.shape[1], q_blocks) + (() if width is None else (width,))
+        out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        if width is None:
+            out[:, :, : t.shape[2]] = t
+        else:
+            out[:, :, : t.shape[2], : t.shape[3]] = t
+        return out
+
+    def cat(name: str, is_list: bool) -> torch.Tensor | None:
+        if getattr(first, name) is None:
+            return None
+        width = max(getattr(i, name).shape[-1] for i in indices) if is_list else None
+        return torch.cat([pad(getattr(i, name), width) for i in indices])
+
+    return replace(
+        first,
+        full_count=cat("full_count", False), full_idx=cat("full_idx", True),
+        partial_count=cat("partial_count", False), partial_idx=cat("partial_idx", True),
+        col_count=cat("col_count", False), col_idx=cat("col_idx", True),
+    )

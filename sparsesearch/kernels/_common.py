@@ -1,0 +1,146 @@
+"""Shared pieces of the attention kernels: the online-softmax tile update, input checks, launch configs.
+
+Nothing here queries CUDA at import time, so the module imports (and the kernels run under
+TRITON_INTERPRET=1) on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def load_kv_tile(base, cols, stride_n, offs_d, col_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Rows `cols` of a [N, D] slab: [BLOCK_D, len(cols)] when TRANSPOSED (K^T), else [len(cols), BLOCK_D].
+
+    Masks are built only where needed: MASKED for column bounds, BLOCK_D > HEAD_DIM for padded dims.
+    """
+    if TRANSPOSED:
+        ptrs = base + cols[None, :] * stride_n + offs_d[:, None]
+        col_mask = col_ok[None, :]
+        dim_mask = offs_d[:, None] < HEAD_DIM
+    else:
+        ptrs = base + cols[:, None] * stride_n + offs_d[None, :]
+        col_mask = col_ok[:, None]
+        dim_mask = offs_d[None, :] < HEAD_DIM
+    if MASKED:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=col_mask, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=col_mask & dim_mask, other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=dim_mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def online_update(q, kt, v, ok, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """One flash-attention step over a key tile.
+
+    q [BM, BD], kt [BD, BN], v [BN, BD], ok bool [BM, BN] (ignored unless MASKED);
+    m_i, l_i [BM] fp32 in log2 units; acc [BM, BD] fp32. Returns the updated (m_i, l_i, acc).
+    DOT_F32 upcasts the dot operands: only for bf16 under TRITON_INTERPRET=1, whose bf16 tl.dot
+    returns garbage in triton 3.9 (conversions are right, the product is not).
+    """
+    if DOT_F32:
+        q = q.to(tl.float32)
+        kt = kt.to(tl.float32)
+    qk = tl.dot(q, kt) * qk_scale
+    if MASKED:
+        qk = tl.where(ok, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with nothing admitted so far keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = m_new
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> None:
+    """Raise ValueError (before any launch) for shapes, dtypes or devices the kernels do not take."""
+    want = 3 if varlen else 4
+    layout = "[T, H, D] (varlen)" if varlen else "[B, H, N, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype must be one of float16/bfloat16/float32, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride 1), got stride {t.stride(-1)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty: shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k head_dim {k.shape[-1]} differs from q head_dim {head_dim}")
+    head_axis = 1
+    q_heads, kv_heads = q.shape[head_axis], k.shape[head_axis]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q batch {q.shape[0]} differs from k batch {k.shape[0]}")
+    if not varlen and q.shape[2] > k.shape[2]:
+        raise ValueError(f"q length {q.shape[2]} exceeds kv length {k.shape[2]} (queries are bottom-right aligned)")
+
+
+def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, device: torch.device) -> tuple[int, int]:
+    """Validate cumulative sequence lengths; return (max q length, max kv length)."""
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be 1-D with batch+1 entries, got shape {tuple(cu.shape)}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {cu.dtype}")
+        if cu.device != device:
+            raise ValueError(f"{name} is on {cu.device}, q on {device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries, cu_seqlens_k {cu_k.numel()}")
+    lq, lk = cu_q.diff().cpu(), cu_k.diff().cpu()
+    if int(cu_q[0]) != 0 or int(cu_k[0]) != 0:
+        raise ValueError("cu_seqlens must start at 0")
+    if bool((lq < 0).any()) or bool((lk < 0).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got q {cu_q.tolist()} k {cu_k.tolist()}")
+    if int(cu_q[-1]) != total_q or int(cu_k[-1]) != total_k:
+        raise ValueError(f"cu_seqlens end at q {int(cu_q[-1])} / k {int(cu_k[-1])}, tensors hold {total_q} / {total_k} tokens")
+    if bool((lq > lk).any()):
+        raise ValueError(f"a sequence has more queries than keys: q lengths {lq.tolist()}, kv lengths {lk.tolist()}")
+    return int(lq.max()), int(lk.max())
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Whether kernels must upcast dot operands (interpreter bf16 bug, see online_update)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def block_d(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)

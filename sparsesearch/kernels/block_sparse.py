@@ -1,0 +1,229 @@
+"""Index-driven block-sparse flash-attention forward (Triton).
+
+One program computes one query block of one query head. It walks three lists from the BlockIndex:
+full key blocks (no mask at all), partial key blocks (causal, kv-length and optional window/sink mask)
+and gathered key columns (single tokens, causal), all merged into one online softmax. K and V are read
+through the KV head of the query head's GQA group: they are never repeated in memory.
+
+Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformers order; any strides with
+a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
+bottom-right aligned (row i sits at key position i + kv_len - q_len). Outputs: out like q; lse fp32
+(natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..index import BlockIndex, num_blocks
+from ._common import LOG2E, block_d, dot_f32, check_cu_seqlens, check_qkv, interpreting, load_kv_tile, online_update
+
+
+@triton.jit
+def _block_sparse_fwd(
+    Q, K, V, O, LSE,
+    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
+    CU_Q, CU_K,
+    qk_scale, q_len_max, kv_len_max, window, sink,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh, stride_ln,
+    stride_cb, stride_ch, stride_cm,
+    stride_fb, stride_fh, stride_fm,
+    stride_pb, stride_ph, stride_pm,
+    stride_gb, stride_gh, stride_gm,
+    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, INDEX_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Q_HEADS
+    h = pid_bh % Q_HEADS
+    kv_h = h // GROUP
+    if INDEX_PER_KV:
+        idx_h = kv_h
+    else:
+        idx_h = h
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        kv_len = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        q_len = q_len_max
+        k_start = 0
+        kv_len = kv_len_max
+    if m_block * BLOCK_M >= q_len:
+        return
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, TILE_N)
+    row_ok = offs_m < q_len
+    pos = offs_m + (kv_len - q_len)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + offs_m).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start.to(tl.int64) * stride_vn
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    never = offs_t < 0  # placeholder column mask for unmasked tiles
+    cnt_off = b * stride_cb + idx_h * stride_ch + m_block * stride_cm
+    SPLIT: tl.constexpr = BLOCK_N // TILE_N
+
+    # Full blocks: in range and wholly causal for every valid row, so no mask is computed.
+    n_full = tl.load(FULL_CNT + cnt_off)
+    full_base = FULL_IDX + b * stride_fb + idx_h * stride_fh + m_block * stride_fm
+    for t in range(0, n_full * SPLIT):
+        kb = tl.load(full_base + t // SPLIT)
+        cols = kb * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
+        kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
+        vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
+        m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
+
+    # Partial blocks: causal + kv bound, plus the index's window/sink token mask when it has one.
+    n_part = tl.load(PART_CNT + cnt_off)
+    part_base = PART_IDX + b * stride_pb + idx_h * stride_ph + m_block * stride_pm
+    for t in range(0, n_part * SPLIT):
+        kb = tl.load(part_base + t // SPLIT)
+        cols = kb * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
+        col_ok = cols < kv_len
+        kt = load_kv_tile(k_base, cols, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, True)
+        vt = load_kv_tile(v_base, cols, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, False)
+        ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (((pos[:, None] - cols[None, :]) < window) | (cols[None, :] < sink))
+        m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
+
+    # Gathered columns (vertical lines outside every listed block), TILE_N at a time.
+    if HAS_COLS:
+        n_col = tl.load(COL_CNT + cnt_off)
+        col_base = COL_IDX + b * stride_gb + idx_h * stride_gh + m_block * stride_gm
+        for start in range(0, n_col, TILE_N):
+            live = start + offs_t < n_col
+            cols = tl.load(col_base + start + offs_t, mask=live, other=0)
+            kt = load_kv_tile(k_base, cols, stride_kn, offs_d, live, HEAD_DIM, BLOCK_D, True, True)
+            vt = load_kv_tile(v_base, cols, stride_vn, offs_d, live, HEAD_DIM, BLOCK_D, True, False)
+            ok = live[None, :] & (cols[None, :] <= pos[:, None])
+            m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # m_i is in log2 units of the scaled scores; lse is reported in natural log.
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + (q_start + offs_m).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ln
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+def _launch_config(block_m: int, block_n: int, head_dim: int) -> dict:
+    """Tile width and pipelining for the device; one fixed choice under the CPU interpreter.
+
+    A 128-wide index block is walked as two 64-wide tiles at head_dim >= 128 so that three pipeline
+    stages of K and V fit in shared memory (3 x 2 x 64 x 128 x 2 B = 96 KiB beside the Q tile).
+    """
+    tile_n = min(block_n, 64 if head_dim >= 128 else block_n)
+    if interpreting():
+        return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 1}
+    warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    stages = 2 if head_dim > 128 else 3
+    return {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages}
+
+
+def _index_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    if t is None:
+        return (0, 0, 0)
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"index lists must be contiguous in their last dim, got stride {t.stride(-1)}")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def check_index(index: BlockIndex, batch: int, q_heads: int, kv_heads: int, q_len_max: int, device: torch.device) -> None:
+    """Raise ValueError when an index cannot drive attention over these inputs."""
+    want_heads = kv_heads if index.head_space == "kv" else q_heads
+    if index.heads != want_heads:
+        raise ValueError(f"index has {index.heads} heads but head_space={index.head_space!r} needs {want_heads}")
+    if index.batch != batch:
+        raise ValueError(f"index batch {index.batch} differs from input batch {batch} (use index.expand_batch)")
+    need = num_blocks(q_len_max, index.block_m)
+    if index.q_blocks < need:
+        raise ValueError(f"index has {index.q_blocks} query blocks, {need} needed for {q_len_max} queries at block_m={index.block_m}")
+    if index.device != device:
+        raise ValueError(f"index is on {index.device}, q on {device}")
+    counts = [index.full_count, index.partial_count] + ([index.col_count] if index.col_count is not None else [])
+    if len({tuple(c.stride()) for c in counts}) != 1:
+        raise ValueError("index count tensors must share strides (build them together or call .contiguous())")
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: BlockIndex,
+    *,
+    scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of q over the keys the index admits.
+
+    Dense: q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq].
+    Varlen (cu_seqlens given): q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens int32 [B + 1]
+    -> out [Tq, Hq, D], lse fp32 [Hq, Tq]. The index has B = number of sequences.
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    check_qkv(q, k, v, varlen)
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
+        q_len_max, kv_len_max = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
+        batch, q_heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
+    else:
+        batch, q_heads, q_len_max = q.shape[:3]
+        kv_heads, kv_len_max = k.shape[1], k.shape[2]
+    check_index(index, batch, q_heads, kv_heads, q_len_max, q.device)
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.empty_like(q)
+    if varlen:
+        lse = torch.empty(q_heads, q.shape[0], dtype=torch.float32, device=q.device)
+        # Batch strides are 0: each sequence's start comes from cu_seqlens.
+        sq, sk, sv, so = (0, q.stride(1), q.stride(0)), (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0)), (0, out.stride(1), out.stride(0))
+        sl = (0, lse.stride(0), lse.stride(1))
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    else:
+        lse = torch.empty(batch, q_heads, q_len_max, dtype=torch.float32, device=q.device)
+        sq, sk, sv, so, sl = q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride()
+        cu_q = cu_k = index.full_count  # unused placeholders (VARLEN is a constexpr False)
+    if q_len_max == 0:
+        return out, lse
+    has_cols = index.col_count is not None
+    dummy = index.full_idx
+    grid = (num_blocks(q_len_max, index.block_m), batch * q_heads)
+    _block_sparse_fwd[grid](
+        q, k, v, out, lse,
+        index.full_count, index.full_idx, index.partial_count, index.partial_idx,
+        index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
+        cu_q, cu_k,
+        scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink,
+        *sq, *sk, *sv, *so, *sl,
+        *_index_strides(index.full_count), *_index_strides(index.full_idx),
+        *_index_strides(index.partial_idx), *_index_strides(index.col_idx),
+        Q_HEADS=q_heads, GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
+        VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
+        **_launch_config(index.block_m, index.block_n, head_dim),
+    )
+    return out, lse

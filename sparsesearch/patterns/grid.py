@@ -1,0 +1,205 @@
+"""Grid attention (MMInference, paper 000 §2.2, §3.1, Alg. 1, App. C.4, Table 3).
+
+Video/image tokens give heads whose attention is a grid of evenly spaced lines plus a local band. With
+``stride`` (the grid period, e.g. tokens per frame) and ``phase`` (where the lines sit), key ``j`` is
+admitted for the query at absolute position ``pos`` iff ``j <= pos`` and any of
+
+* local band:       ``pos - j < local``;
+* vertical lines:   ``use_vline`` and ``j % stride == phase``;
+* horizontal lines: ``use_hline`` and ``pos % stride == phase`` (those rows attend every causal key);
+* slash lines:      ``use_slash`` and ``(pos - j) % stride == 0``.
+
+Table 3 searches (stride, use_hline, use_vline, use_slash) with local 1024, stride = the frame stride or a
+searched stride; Alg. 1 picks stride and phase online from the last queries (``estimate_stride_phase``).
+
+``build_index`` returns the plain (un-permuted) block cover: every key block holding an admitted token,
+full when it is wholly causal and inside kv_len, partial otherwise (window off, so a listed block is
+computed whole). The permuted kernels of Alg. 5 come later and will read the same params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..index import BlockIndex, num_blocks
+from ._common import (
+    ascii_blocks, ascii_mask, causal_entries, check_bool, check_int, check_lengths, expand_heads, full_block,
+    index_entries, index_from_candidates, last_q_sums, predicate_grid, query_block_bounds,
+)
+
+NAME = "grid"
+
+
+@dataclass(frozen=True)
+class GridParams:
+    """stride >= 1, 0 <= phase < stride, which line families are on, local band width >= 1."""
+
+    stride: int
+    phase: int = 0
+    use_hline: bool = True
+    use_vline: bool = True
+    use_slash: bool = False
+    local: int = 1024
+
+    def __post_init__(self) -> None:
+        check_int("stride", self.stride, 1)
+        check_int("phase", self.phase, 0)
+        if self.phase >= self.stride:
+            raise ValueError(f"phase must be < stride ({self.stride}), got {self.phase}")
+        for name in ("use_hline", "use_vline", "use_slash"):
+            check_bool(name, getattr(self, name))
+        check_int("local", self.local, 1)
+
+
+def predicate(params: GridParams):
+    """mask_mod-style predicate over absolute positions."""
+    p = params
+
+    def grid(b: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        admitted = q_pos - kv_idx < p.local
+        if p.use_vline:
+            admitted = admitted | (kv_idx % p.stride == p.phase)
+        if p.use_hline:
+            admitted = admitted | (q_pos % p.stride == p.phase)
+        if p.use_slash:
+            admitted = admitted | ((q_pos - kv_idx) % p.stride == 0)
+        return (kv_idx <= q_pos) & admitted
+
+    lines = "".join(flag for flag, on in (("h", p.use_hline), ("v", p.use_vline), ("s", p.use_slash)) if on) or "none"
+    grid.__name__ = f"grid_{p.stride}_{p.phase}_{lines}_{p.local}"
+    return grid
+
+
+def block_cover(
+    params: GridParams, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, is_full) bool [QB, KB]: blocks holding an admitted token, and blocks needing no mask.
+
+    Exact per-block arithmetic (query block rows at positions [p0, p1], keys [k0, k1] cut at kv_len):
+    the local band meets the block iff the offset range [max(0, p0 - k1), p1 - k0] meets [0, local); a
+    vertical line iff the first key >= k0 on phase is <= min(k1, p1); a horizontal line iff the last
+    row <= p1 on phase is >= max(p0, k0); a slash line iff a multiple of stride lies in the offset range.
+    """
+    p = params
+    kv_blocks = num_blocks(kv_len, block_n)
+    p0, p1 = query_block_bounds(q_len, kv_len, block_m, device)
+    p0, p1 = p0[:, None], p1[:, None]
+    k0 = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :] * block_n
+    k1 = torch.clamp(k0 + block_n - 1, max=kv_len - 1)
+    causal = k0 <= p1
+    d_lo = torch.clamp(p0 - k1, min=0)
+    d_hi = p1 - k0
+    hit = d_lo <= torch.clamp(d_hi, max=p.local - 1)
+    if p.use_vline:
+        first_line = k0 + (p.phase - k0) % p.stride
+        hit = hit | (first_line <= torch.minimum(k1, p1))
+    if p.use_hline:
+        last_row = p1 - (p1 - p.phase) % p.stride
+        hit = hit | (last_row >= torch.maximum(p0, k0))
+    if p.use_slash:
+        first_mult = (d_lo + p.stride - 1) // p.stride * p.stride
+        hit = hit | (first_mult <= d_hi)
+    hit = hit & causal
+    return hit, full_block(k0 // block_n, p0, kv_len, block_n)
+
+
+def build_index(
+    params: GridParams,
+    q_len: int,
+    kv_len: int | None = None,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    block_m: int = 64,
+    block_n: int = 64,
+    head_space: str = "query",
+    device: torch.device | str | None = None,
+) -> BlockIndex:
+    """Block cover of the grid pattern (un-permuted), the same for every (batch, head): views of [1, 1, QB, *].
+
+    Block-level [QB, KB] arithmetic: a query block with a horizontal line loads every causal block anyway.
+    """
+    kv_len = check_lengths(q_len, kv_len)
+    hit, is_full = block_cover(params, q_len, kv_len, block_m, block_n, device)
+    kv_blocks = hit.shape[1]
+    ids = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :].expand_as(hit)
+    index = index_from_candidates(
+        ids[None, None], hit[None, None], is_full.expand_as(hit)[None, None], kv_blocks, block_m, block_n,
+        head_space=head_space, meta={"pattern": NAME},
+    )
+    return expand_heads(index, batch, heads)
+
+
+def density(params: GridParams, q_len: int, *, kv_len: int | None = None, block_m: int = 64, block_n: int = 64) -> float:
+    """Fraction of the causal matrix the un-permuted block cover computes (block granularity)."""
+    kv_len = check_lengths(q_len, kv_len)
+    index = build_index(params, q_len, kv_len, block_m=block_m, block_n=block_n)
+    return index_entries(index, q_len, kv_len) / causal_entries(q_len, kv_len)
+
+
+def estimate_stride_phase(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    strides: Sequence[int],
+    *,
+    last_q: int = 64,
+    head_space: str = "query",
+    scale: float | None = None,
+    min_gain: float = 0.05,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online stride and phase search of Alg. 1 from the last queries' attention.
+
+    q [B, Hq, Nq, D], k [B, Hkv, Nk, D]. Â = softmax(Q[-last_q:] K^T * scale) with the causal corner masked
+    (summed over the GQA group for head_space "kv"); its column mass is viewed as [Nk / s, s] for every
+    candidate stride s. The score of (s, phase) is the mean column mass on that phase over the mean column
+    mass (1.0 for flat attention), so strides of different sizes compare fairly. Strides are tried in
+    the given order and, as in Alg. 1, a later one must beat the best so far, here by a factor
+    (1 + min_gain): a multiple of the true stride scores the same as the true stride (it keeps every
+    other line at twice the lift), so list candidates from small to large.
+
+    Only vertical lines are visible from the last rows; horizontal lines cannot be estimated this way.
+    Returns stride, phase (int64 [B, H]) and score (float32 [B, H]).
+    """
+    if not strides:
+        raise ValueError("strides must list at least one candidate stride, got none")
+    for s in strides:
+        check_int("stride", s, 1)
+    check_int("last_q", last_q, 1)
+    columns, _ = last_q_sums(q, k, last_q, head_space=head_space, scale=scale, diagonals=False)
+    kv_len = columns.shape[-1]
+    mean_mass = columns.sum(-1, keepdim=True) / kv_len
+    best_score = torch.full(columns.shape[:2], float("-inf"), device=q.device)
+    best_stride = torch.zeros(columns.shape[:2], dtype=torch.int64, device=q.device)
+    best_phase = torch.zeros_like(best_stride)
+    for stride in strides:  # a handful of candidates: the loop is over the search space, not heads or blocks
+        folds = num_blocks(kv_len, stride)
+        padded = torch.nn.functional.pad(columns, (0, folds * stride - kv_len))
+        mass = padded.view(*columns.shape[:2], folds, stride).sum(-2)
+        per_phase = torch.arange(stride, device=q.device)
+        count = (kv_len - per_phase + stride - 1) // stride  # columns on each phase
+        lift = mass / count.clamp(min=1) / mean_mass.clamp_min(1e-30)
+        lift = lift.masked_fill(count == 0, float("-inf"))
+        score, phase = lift.max(dim=-1)
+        better = score > best_score * (1.0 + min_gain)
+        best_score = torch.where(better, score, best_score)
+        best_stride = torch.where(better, torch.full_like(best_stride, stride), best_stride)
+        best_phase = torch.where(better, phase, best_phase)
+    return best_stride, best_phase, best_score
+
+
+def main() -> None:
+    params = GridParams(stride=6, phase=2, use_hline=True, use_vline=True, use_slash=True, local=3)
+    q_len = kv_len = 40
+    print(f"{predicate(params).__name__}, q_len={q_len}")
+    print(ascii_mask(predicate_grid(predicate(params), q_len, kv_len)))
+    index = build_index(params, q_len, kv_len, block_m=16, block_n=16)
+    print("block cover (block_m=16, block_n=16): F full, P partial")
+    print(ascii_blocks(index, kv_len))
+    print(f"density of the cover: {density(params, q_len, block_m=16, block_n=16):.3f}")
+
+
+if __name__ == "__main__":
+    main()

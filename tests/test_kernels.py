@@ -1,0 +1,235 @@
+"""Kernels against the torch oracle (CPU: TRITON_INTERPRET=1 at tiny shapes; GPU when present).
+
+Tolerance follows flash-attention's tests: the kernel's error against the fp32 reference must stay within
+twice the error of the same reference computed in the inputs' low precision, plus a small floor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from indices import dense_causal_index, random_index
+from sparsesearch.index import BlockIndex, stack, validate
+from sparsesearch.kernels import block_sparse_attention, merge_partials, merge_two, tail_attention, triangle_attention
+from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
+
+FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
+
+
+def qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda h, n: torch.randn(batch, h, n, dim, generator=gen).to(dtype).to(DEVICE)
+    return make(q_heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
+
+
+def assert_close(out, lse, q, k, v, mask_fn):
+    """Kernel (out, lse) vs the fp32 oracle, within 2x the low-precision oracle's own error."""
+    ref_o, ref_l = masked_attention(q, k, v, mask_fn)
+    low_o, _ = masked_attention(q, k, v, mask_fn, upcast=False)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    budget = 2 * relative_error(low_o, ref_o) + FLOOR[q.dtype]
+    assert relative_error(out, ref_o) <= budget, (relative_error(out, ref_o), budget)
+    empty = torch.isinf(ref_l)
+    assert torch.equal(torch.isinf(lse), empty), "empty rows must have lse = -inf exactly where the oracle has"
+    assert bool((out[empty] == 0).all()), "empty rows must be zeros"
+    torch.testing.assert_close(lse[~empty], ref_l[~empty].float(), atol=budget * 10 + 1e-4, rtol=0)
+
+
+CASES = [
+    # batch, q_heads, kv_heads, q_len, kv_len, dim, block_m, block_n, dtype
+    (2, 4, 4, 100, 100, 64, 32, 32, torch.bfloat16),
+    (2, 3, 1, 77, 77, 80, 16, 32, torch.float16),
+    (1, 8, 2, 130, 130, 128, 32, 16, torch.bfloat16),
+    (1, 8, 1, 64, 96, 64, 16, 16, torch.float16),
+    (2, 6, 2, 50, 120, 96, 16, 64, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}_m{}_n{}_{}".format(*c[:8], str(c[8])[6:]))
+@pytest.mark.parametrize("head_space", ["query", "kv"])
+def test_random_index_matches_oracle(case, head_space):
+    batch, q_heads, kv_heads, q_len, kv_len, dim, bm, bn, dtype = case
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype)
+    heads = kv_heads if head_space == "kv" else q_heads
+    index = random_index(batch, heads, q_len, kv_len, bm, bn, columns=5, head_space=head_space, device=DEVICE)
+    validate(index, q_len, kv_len)
+    out, lse = block_sparse_attention(q, k, v, index)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+    group = q_heads // kv_heads if head_space == "kv" else 1
+    assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, group))
+
+
+@pytest.mark.parametrize("dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_all_blocks_is_dense_causal(dim, group):
+    """An index listing every causal block reproduces causal SDPA."""
+    q, k, v = qkv(1, group, 1, 90, 90, dim, torch.float16, seed=group)
+    index = dense_causal_index(1, group, 90, 90, 32, 32, device=DEVICE)
+    out, lse = block_sparse_attention(q, k, v, index)
+    assert_close(out, lse, q, k, v, None)
+    sdpa = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    assert relative_error(out, sdpa) < 2e-3
+
+
+def test_window_and_sink_mask_is_token_exact():
+    """A-shape semantics in partial blocks: j < sink or pos - j < window, causal."""
+    q, k, v = qkv(2, 4, 2, 150, 150, 64, torch.bfloat16, seed=3)
+    index = random_index(2, 2, 150, 150, 32, 32, density=1.1, window=40, sink=5, head_space="kv", device=DEVICE)
+    out, lse = block_sparse_attention(q, k, v, index)
+
+    def ashape(b, h, pos, j):
+        return (j < 5) | (pos - j < 40)
+
+    assert_close(out, lse, q, k, v, predicate_mask_fn(ashape, 2, 4, 150, 150))
+
+
+def test_empty_rows_give_zeros_not_nan():
+    q, k, v = qkv(1, 2, 2, 70, 70, 64, torch.float16)
+    # Query block 0 (rows 0..31) lists only key block 1 (keys 16..31): rows 0..15 admit nothing.
+    full = torch.zeros(1, 2, 3, 5, dtype=torch.bool)
+    partial = torch.zeros_like(full)
+    partial[:, :, 0, 1] = True
+    partial[:, 1, 2, 4] = True
+    from sparsesearch.index import from_block_masks
+
+    index = from_block_masks(full, partial, 32, 16).to(DEVICE)
+    out, lse = block_sparse_attention(q, k, v, index)
+    assert_close(out, lse, q, k, v, index_mask_fn(index, 70, 70))
+    assert bool(torch.isinf(lse[0, 0, :16]).all()) and bool((out[0, 0, :16] == 0).all())
+    assert bool(torch.isinf(lse[0, 0, 32:]).all())  # no blocks at all for later rows of head 0
+
+
+def test_varlen_matches_per_sequence():
+    lens_q, lens_k = [70, 1, 33], [90, 5, 33]
+    cu_q = torch.tensor([0, 70, 71, 104], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 90, 95, 128], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(104, 6, 64, generator=gen).half().to(DEVICE)
+    k = torch.randn(128, 2, 64, generator=gen).half().to(DEVICE)
+    v = torch.randn(128, 2, 64, generator=gen).half().to(DEVICE)
+    # One index per sequence (its own causal offset), stacked and padded to the longest.
+    parts = [random_index(1, 2, lq, lk, 16, 16, columns=4, head_space="kv", seed=b, device=DEVICE)
+             for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
+    index = stack(parts)
+    out, lse = block_sparse_attention(q, k, v, index, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert out.shape == q.shape and lse.shape == (6, 104)
+    for b in range(3):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        sub = lambda t, s: t[s].transpose(0, 1)[None]
+        one = parts[b]
+        mask = index_mask_fn(one, lens_q[b], lens_k[b], group=3)
+        assert_close(sub(out, qs), lse[:, qs][None], sub(q, qs), sub(k, ks), sub(v, ks), mask)
+
+
+def test_expanded_batch_index_and_strided_inputs():
+    """An index built once for B=1 drives a batch; q/k/v may be non-contiguous views (e.g. transposes)."""
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(2, 96, 4, 64, generator=gen).bfloat16().to(DEVICE)
+    q = base.transpose(1, 2)  # [B, H, N, D] view with strides of [B, N, H, D]
+    k = v = base[:, :, :2].transpose(1, 2)
+    index = random_index(1, 2, 96, 96, 32, 32, head_space="kv", device=DEVICE).expand_batch(2)
+    out, lse = block_sparse_attention(q, k, v, index)
+    assert_close(out, lse, q, k, v, index_mask_fn(index, 96, 96, group=2))
+
+
+@pytest.mark.parametrize("last", [1, 24, 64, 200])
+def test_triangle_matches_predicate(last):
+    sink, window, n = 8, 32, 150
+    q, k, v = qkv(2, 4, 2, n, n, 64, torch.bfloat16, seed=last)
+    split = max(0, n - last)
+    full = torch.zeros(2, 2, 5, 5, dtype=torch.bool)
+    partial = torch.zeros_like(full)
+    from sparsesearch.index import from_block_masks
+
+    qi, ki = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    near = (ki <= qi) & ((qi * 32 - (ki + 1) * 32 + 1 < window) | (ki * 32 < sink))  # any key of the block in the mask
+    partial[:] = near
+    index = from_block_masks(full, partial, 32, 32, head_space="kv", window=window, sink=sink).to(DEVICE)
+    out, lse = triangle_attention(q, k, v, index, last)
+
+    def triangle(b, h, pos, j):
+        return (j < sink) | (pos - j < window) | (pos >= split)
+
+    assert_close(out, lse, q, k, v, predicate_mask_fn(triangle, 2, 4, n, n))
+
+
+def test_tail_varlen_rows_past_short_sequences_are_empty():
+    cu = torch.tensor([0, 100, 110], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(110, 2, 64, generator=gen).to(DEVICE)
+    k = torch.randn(110, 1, 64, generator=gen).to(DEVICE)
+    out, lse = tail_attention(q, k, k, 32, cu_seqlens_q=cu, cu_seqlens_k=cu, splits=3)
+    ref, _ = masked_attention(q[:100].transpose(0, 1)[None], k[:100].transpose(0, 1)[None], k[:100].transpose(0, 1)[None])
+    assert relative_error(out[0], ref[0, :, -32:]) < 1e-5
+    assert bool(torch.isinf(lse[1, :, 10:]).all()) and bool((out[1, :, 10:] == 0).all())
+
+
+def test_merge_is_exact_and_handles_empty():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 40, 64, generator=gen)
+    k = torch.randn(1, 2, 40, 64, generator=gen)
+    v = torch.randn(1, 2, 40, 64, generator=gen)
+    cols = torch.arange(40)
+    left = lambda rows: (cols[None, :] < 17)[None, None].expand(1, 1, rows.numel(), 40)
+    right = lambda rows: (cols[None, :] >= 17)[None, None].expand(1, 1, rows.numel(), 40)
+    o_a, l_a = masked_attention(q, k, v, left)
+    o_b, l_b = masked_attention(q, k, v, right)
+    full_o, full_l = masked_attention(q, k, v, lambda rows: torch.ones(1, 1, rows.numel(), 40, dtype=torch.bool))
+    out, lse = merge_two(o_a, l_a, o_b, l_b)
+    assert relative_error(out, full_o) < 1e-6 and torch.allclose(lse, full_l, atol=1e-5)
+    empty = torch.full_like(l_a, float("-inf"))
+    out, lse = merge_partials(torch.stack([o_a * 0, o_a * 0]), torch.stack([empty, empty]))
+    assert not torch.isnan(out).any() and bool((out == 0).all()) and bool(torch.isinf(lse).all())
+
+
+# ---------------------------------------------------------------- bad input: ValueError before any launch
+def _good():
+    q, k, v = qkv(1, 4, 2, 64, 64, 64, torch.float16)
+    return q, k, v, dense_causal_index(1, 4, 64, 64, 32, 32, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda q, k, v, i: (q[..., :48].contiguous(), k, v, i), "head_dim must be one of"),
+        (lambda q, k, v, i: (q, k.float(), v, i), "dtype"),
+        (lambda q, k, v, i: (q.int(), k, v, i), "dtype must be one of"),
+        (lambda q, k, v, i: (q[:, :3], k, v, i), "multiple of KV heads"),
+        (lambda q, k, v, i: (q, k, v[:, :, :10], i), "shapes differ"),
+        (lambda q, k, v, i: (q, k[:, :, :10], v[:, :, :10], i), "exceeds kv length"),
+        (lambda q, k, v, i: (q[:, :, :0], k, v, i), "empty"),
+        (lambda q, k, v, i: (q.transpose(-1, -2), k, v, i), "contiguous in head_dim"),
+        (lambda q, k, v, i: (q, k, v, dense_causal_index(1, 2, 64, 64, 32, 32, device=DEVICE)), "heads"),
+        (lambda q, k, v, i: (q, k, v, dense_causal_index(1, 4, 32, 32, 32, 32, device=DEVICE)), "query blocks"),
+        (lambda q, k, v, i: (q, k, v, dense_causal_index(2, 4, 64, 64, 32, 32, device=DEVICE)), "batch"),
+    ],
+)
+def test_bad_input_raises(mutate, message):
+    q, k, v, index = mutate(*_good())
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attention(q, k, v, index)
+
+
+def test_bad_index_raises():
+    with pytest.raises(ValueError, match="block_m must be one of"):
+        BlockIndex(torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                   torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32), block_m=48, block_n=64)
+    with pytest.raises(ValueError, match="int32"):
+        BlockIndex(torch.zeros(1, 1, 1, dtype=torch.int64), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                   torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32), 64, 64)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32)
+    unsorted = BlockIndex(zeros(1, 1, 2), zeros(1, 1, 2, 1), torch.tensor([[[1, 2]]], dtype=torch.int32),
+                          torch.tensor([[[[0, 0], [1, 0]]]], dtype=torch.int32), 32, 32)
+    with pytest.raises(ValueError, match="ascending"):
+        validate(unsorted, 64)
+    over = random_index(1, 1, 64, 64, 32, 32, density=1.1)
+    over.partial_idx[0, 0, 0, 0] = 1  # block 1 (keys 32..63) for rows 0..31: above the diagonal
+    with pytest.raises(ValueError, match="above the causal diagonal"):
+        validate(over, 64)
+    cu = torch.tensor([0, 10, 5], dtype=torch.int32)
+    q = torch.randn(5, 1, 64)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        block_sparse_attention(q, q, q, random_index(2, 1, 10, 10, 16, 16), cu_seqlens_q=cu, cu_seqlens_k=cu)
