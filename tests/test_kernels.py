@@ -163,7 +163,7 @@ def test_tail_varlen_rows_past_short_sequences_are_empty():
     k = torch.randn(110, 1, 64, generator=gen).to(DEVICE)
     out, lse = tail_attention(q, k, k, 32, cu_seqlens_q=cu, cu_seqlens_k=cu, splits=3)
     ref, _ = masked_attention(q[:100].transpose(0, 1)[None], k[:100].transpose(0, 1)[None], k[:100].transpose(0, 1)[None])
-    assert relative_error(out[0], ref[0, :, -32:]) < 1e-5
+    assert relative_error(out[0], ref[0, :, -32:]) < FLOOR[torch.float32]
     assert bool(torch.isinf(lse[1, :, 10:]).all()) and bool((out[1, :, 10:] == 0).all())
 
 

@@ -77,7 +77,8 @@ def _tail_split_fwd(
     # Tiles every row of this tile may see whole (below the first row's position) need no mask.
     first_pos = (q_len - tail + m_tile * BLOCK_M) + (kv_len - q_len)
     safe_hi = tl.minimum(hi, first_pos + 1)
-    safe_end = lo + ((safe_hi - lo) // TILE_N) * TILE_N
+    # Never below lo: a split that starts past the first row's position has no unmasked tile at all.
+    safe_end = lo + (tl.maximum(safe_hi - lo, 0) // TILE_N) * TILE_N
     for start in range(lo, safe_end, TILE_N):
         cols = start + offs_t
         kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
@@ -148,7 +149,8 @@ def tail_attention(
     splits = triton.cdiv(kv_len_max, chunk)
     part_o = torch.zeros(splits, batch, q_heads, last, head_dim, dtype=torch.float32, device=q.device)
     part_l = torch.full((splits, batch, q_heads, last), float("-inf"), dtype=torch.float32, device=q.device)
-    config = {"num_warps": 4, "num_stages": 1} if interpreting() else {"num_warps": 4 if block_m <= 64 else 8, "num_stages": 3}
+    # Same shape of tile as the block-sparse kernel's measured best (4 warps, 2 stages, 64-wide keys).
+    config = {"num_warps": 4, "num_stages": 1 if interpreting() else 2}
     _tail_split_fwd[(splits, m_tiles, batch * q_heads)](
         q, k, v, part_o, part_l, cu_q, cu_k,
         scale * LOG2E, q_len_max, kv_len_max, last, chunk,

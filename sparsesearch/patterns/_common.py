@@ -183,9 +183,8 @@ def index_entries(index: BlockIndex, q_len: int, kv_len: int | None = None, *, r
     """
     kv_len = check_lengths(q_len, kv_len)
     row_stop = q_len if row_stop is None else min(row_stop, q_len)
-    qb = index.q_blocks
     offset = kv_len - q_len
-    starts = torch.arange(qb, device=index.device, dtype=torch.int64) * index.block_m
+    starts = torch.arange(index.q_blocks, device=index.device, dtype=torch.int64) * index.block_m
     first = starts + offset
     last = torch.clamp(starts + index.block_m, max=row_stop) - 1 + offset
     first_b = first[None, None, :, None]

@@ -1,0 +1,219 @@
+"""Kernel benchmark: our index-driven kernels vs torch SDPA (dense causal) and FlexAttention, one run.
+
+Writes one JSON row per (length, case) with device, shapes, density, times, efficiency and the command.
+Efficiency = density x t_SDPA / t_kernel, density = computed fraction of the causal matrix
+(listed blocks x block area + gathered columns x block_m, over N^2/2). 1.0 = as fast per computed
+element as dense SDPA.
+
+    python benchmarks/kernels.py --lengths 8192 32768 131072 --out benchmarks/results/kernels.jsonl
+
+Needs a CUDA GPU. Index building is timed separately (``index_ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from sparsesearch.index import BlockIndex, to_block_masks
+from sparsesearch.kernels import block_sparse_attention, triangle_attention
+from sparsesearch.patterns import ashape, block_topk, triangle, vertical_slash
+from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bench(fn, warmup_ms: int = 50, rep_ms: int = 200) -> float:
+    """Median milliseconds of fn() measured with CUDA events (triton.testing.do_bench)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def computed_density(index: BlockIndex, n: int) -> float:
+    """Computed elements over the causal matrix (N^2/2): what the kernel pays for, partial blocks whole."""
+    blocks = (index.full_count.long() + index.partial_count.long()).sum().item() * index.block_m * index.block_n
+    cols = 0 if index.col_count is None else index.col_count.long().sum().item() * index.block_m
+    return (blocks + cols) / (index.batch * index.heads * n * n / 2)
+
+
+def index_bytes(index: BlockIndex) -> int:
+    tensors = [index.full_count, index.full_idx, index.partial_count, index.partial_idx, index.col_count, index.col_idx]
+    # Expanded (stride-0) views cost only their storage.
+    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+
+def flex_block_mask(index: BlockIndex, n: int, q_heads: int, mask_mod, tail_from: int | None = None):
+    """BlockMask.from_kv_blocks with the same blocks (partial -> mask_mod, full -> none), query-head space."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_blocks = triton.cdiv(n, index.block_n)
+    full, partial = to_block_masks(index, kv_blocks)
+    if tail_from is not None:  # triangle: query blocks holding dense rows see every causal block
+        qb = torch.arange(full.shape[2], device=full.device)[:, None]
+        kb = torch.arange(kv_blocks, device=full.device)[None, :]
+        dense_rows = ((qb + 1) * index.block_m > tail_from) & (kb * index.block_n <= (qb + 1) * index.block_m - 1)
+        partial = (partial | dense_rows) & ~full
+    if index.heads != q_heads:
+        group = q_heads // index.heads
+        full, partial = full.repeat_interleave(group, 1), partial.repeat_interleave(group, 1)
+
+    def lists(mask):
+        count = mask.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count, order
+
+    p_count, p_idx = lists(partial)
+    f_count, f_idx = lists(full)
+    return BlockMask.from_kv_blocks(p_count, p_idx, f_count, f_idx, BLOCK_SIZE=(index.block_m, index.block_n), mask_mod=mask_mod, seq_lengths=(n, n))
+
+
+def make_cases(n: int, q, k, args):
+    """(name, params dict, build_index() -> (index, run, mask_mod, tail_from))."""
+    h_kv = k.shape[1]
+    dev = q.device
+    cases = []
+    causal_blocks = triton.cdiv(n, 128) / 2
+    for target in (0.05, 0.10, 0.25):
+        kb = max(1, round(target * causal_blocks) - 2)
+        params = block_topk.BlockTopKParams(k_blocks=kb, sink_blocks=1)
+        cases.append((f"block_topk_{int(target * 100)}pct", {"k_blocks": kb, "block": 128},
+                      lambda p=params: (block_topk.build_index(p, q, k, head_space="kv", block_m=128, block_n=128), None, "causal", None)))
+    a = ashape.AShapeParams(sink=128, local=4096)
+    cases.append(("ashape_128_4096", {"sink": 128, "local": 4096, "block": 128},
+                  lambda: (ashape.build_index(a, n, heads=h_kv, block_m=128, block_n=128, head_space="kv", device=dev), None, ashape.predicate(a), None)))
+    gen = torch.Generator().manual_seed(0)
+    for name, n_vert, n_slash in (("vs_planted_1000v_2048s", 1000, 2048), ("vs_vertical_heavy_4000v_256s", 4000, 256)):
+        # Planted structure: a band of the nearest n_slash diagonals and n_vert fixed columns (first 30 forced).
+        vert = torch.cat([torch.arange(30), 30 + torch.randperm(n - 30, generator=gen)[: n_vert - 30]]).sort().values
+        lines = vertical_slash.VSLines(
+            vertical=vert.to(dev).expand(1, h_kv, -1).contiguous(),
+            slash=torch.arange(n_slash, device=dev).expand(1, h_kv, -1).contiguous(),
+            q_len=n, kv_len=n, head_space="kv",
+        )
+        for bm, bn in ((64, 64), (128, 64)):
+            cases.append((f"{name}_b{bm}x{bn}", {"vertical": n_vert, "slash": n_slash, "block_m": bm, "block_n": bn},
+                          lambda lines=lines, bm=bm, bn=bn: (vertical_slash.index_from_lines(lines, block_m=bm, block_n=bn), None, None, None)))
+    t = triangle.TriangleParams(sink=64, window=512, last=128)
+    cases.append(("triangle_64_512_128", {"sink": 64, "window": 512, "last": 128, "block": 128},
+                  lambda: (triangle.build_index(t, n, heads=h_kv, block_m=128, block_n=128, head_space="kv", device=dev),
+                           lambda q_, k_, v_, i_: triangle_attention(q_, k_, v_, i_, t.last), triangle.predicate(t, n), triangle.split_row(t, n))))
+    return cases
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def run(args) -> list[dict]:
+    dev = torch.device("cuda")
+    dtype = DTYPES[args.dtype]
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    props = torch.cuda.get_device_properties(dev)
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for n in args.lengths:
+        torch.manual_seed(n)
+        q = torch.randn(1, args.heads, n, args.dim, device=dev, dtype=dtype)
+        k = torch.randn(1, args.kv_heads, n, args.dim, device=dev, dtype=dtype)
+        v = torch.randn(1, args.kv_heads, n, args.dim, device=dev, dtype=dtype)
+        group = args.heads // args.kv_heads
+        k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True))
+        sdpa_tflops = 4 * n * n / 2 * args.dim * args.heads / t_sdpa / 1e9
+        vs_params = vertical_slash.VerticalSlashParams(vertical_size=1000, slash_size=2048)
+        t_estimate = bench(lambda: vertical_slash.estimate(vs_params, q, k, head_space="query"), warmup_ms=10, rep_ms=50)
+        print(f"N={n}: SDPA causal {t_sdpa:.3f} ms ({sdpa_tflops:.0f} TFLOP/s); VS estimate {args.heads} heads {t_estimate:.3f} ms "
+              f"({100 * t_estimate / t_sdpa:.1f}% of SDPA)", flush=True)
+        for name, params, build in make_cases(n, q, k, args):
+            if args.cases and not any(c in name for c in args.cases):
+                continue
+            index, runner, mask_mod, tail_from = build()
+            torch.cuda.synchronize()
+            index_ms = bench(lambda: build(), warmup_ms=10, rep_ms=50)
+            runner = runner or (lambda q_, k_, v_, i_: block_sparse_attention(q_, k_, v_, i_))
+            out, _ = runner(q, k, v, index)
+            t_ours = bench(lambda: runner(q, k, v, index))
+            density = computed_density(index, n)
+            if tail_from is not None:  # triangle: the dense tail rows are computed too
+                density += (args.heads * 128 * n) / (args.heads * n * n / 2)
+            err = _check(q, k, v, out, index, n, group, mask_mod, tail_from)
+            row = {
+                "device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+                "case": name, "params": params, "n": n, "batch": 1, "q_heads": args.heads, "kv_heads": args.kv_heads,
+                "head_dim": args.dim, "dtype": args.dtype, "density": round(density, 5),
+                "t_sdpa_ms": round(t_sdpa, 4), "t_ours_ms": round(t_ours, 4),
+                "eff_ours": round(density * t_sdpa / t_ours, 3), "speedup_vs_sdpa": round(t_sdpa / t_ours, 2),
+                "index_ms": round(index_ms, 4), "index_bytes": index_bytes(index), "rel_err_last_rows": err,
+                "command": command,
+            }
+            if name.startswith("vs_"):
+                row.update(vs_estimate_ms=round(t_estimate, 4), vs_estimate_pct_of_sdpa=round(100 * t_estimate / t_sdpa, 2))
+            if flex is not None and index.col_count is None:
+                mm = causal if mask_mod == "causal" else mask_mod
+                try:
+                    bm = flex_block_mask(index, n, args.heads, mm, tail_from)
+                    flex(q, k, v, block_mask=bm, enable_gqa=True)
+                    t_flex = bench(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True))
+                    row.update(t_flex_ms=round(t_flex, 4), eff_flex=round(density * t_sdpa / t_flex, 3))
+                except Exception as exc:  # report, keep benchmarking the rest
+                    row["flex_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "eff_ours", "t_flex_ms", "eff_flex", "index_ms", "rel_err_last_rows") if k_ in row}), flush=True)
+        del q, k, v, k_rep, v_rep
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _check(q, k, v, out, index, n, group, mask_mod, tail_from, rows: int = 256) -> float:
+    """Relative error of our output on the last `rows` query rows against the fp32 oracle."""
+    qs = q[:, :, -rows:]
+    if tail_from is not None:
+        mask = predicate_mask_fn(mask_mod, 1, q.shape[1], rows, n)
+    else:
+        full = index_mask_fn(index, n, n, group)
+        mask = lambda r: full(r + n - rows)
+    ref, _ = masked_attention(qs, k, v, mask, chunk=64)
+    return round(relative_error(out[:, :, -rows:], ref), 6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default all)")
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    started = time.time()
+    rows = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    print(f"{len(rows)} rows -> {args.out} in {time.time() - started:.0f} s")
+    print(f"{'case':32s} {'N':>7s} {'dens':>6s} {'ours ms':>9s} {'eff':>5s} {'flex ms':>9s} {'eff':>5s} {'SDPA ms':>9s} {'idx ms':>7s} {'err':>8s}")
+    for r in rows:
+        print(f"{r['case']:32s} {r['n']:7d} {r['density']:6.3f} {r['t_ours_ms']:9.3f} {r['eff_ours']:5.2f} "
+              f"{r.get('t_flex_ms', math.nan):9.3f} {r.get('eff_flex', math.nan):5.2f} {r['t_sdpa_ms']:9.3f} {r['index_ms']:7.2f} {r['rel_err_last_rows']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Vertical-slash attention (MInference; MMInference paper 000 App. C.3, Table 3).
+
+Estimate (per batch and head, from the last ``last_q`` queries, O(last_q x Nk)):
+
+1. Â = softmax(Q[-last_q:] K^T * scale), causally masked in the last_q x last_q corner;
+2. vertical score of key j = sum of Â over the rows; the first ``force_vertical`` columns get +inf
+   (MInference: ``vertical[..., :30] = inf``); the ``max(vertical_size, force_vertical)`` best columns win;
+3. slash score of offset d = sum of Â along the diagonal pos - j = d; the ``force_slash`` nearest offsets
+   get +inf (MInference: the last 100 diagonals); the ``max(slash_size, force_slash)`` best offsets win.
+   Ties go to the lower column / offset (stable sort). Budgets are cut at kv_len.
+
+For head_space "kv" the estimates of a GQA group are summed (each query head's softmax first) and one
+selection is made per KV head.
+
+Key ``j`` is admitted for the query at absolute position ``pos`` iff ``j <= pos`` and (``j`` is a vertical or
+``pos - j`` is a slash offset). The index is a block cover, as in MInference's ``vertical_slash_index.cu``:
+per query block (rows at positions [p0, p1]) a slash offset d touches keys [p0 - d, p1 - d] ∩ [0, p1], i.e.
+key blocks (p0 - d) // block_n .. (p1 - d) // block_n (at most (block_m - 1) // block_n + 2 of them); these
+blocks are listed (full when wholly causal and inside kv_len, partial otherwise; window off, so they are
+computed whole). Verticals that are causal for the block's last row and fall in no listed block become
+gathered columns. Memory O(QB x slash_size x blocks-per-offset + QB x vertical_size): no [QB, KB] tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..index import BlockIndex, num_blocks
+from ._common import (
+    ascii_blocks, ascii_mask, causal_entries, check_head_space, check_int, check_lengths, full_block,
+    index_entries, index_from_candidates, last_q_sums, query_block_bounds, top_ids,
+)
+
+NAME = "vertical_slash"
+
+
+@dataclass(frozen=True)
+class VerticalSlashParams:
+    """vertical_size, slash_size (>= 1): lines kept; last_q (>= 1): estimation rows; force_* (>= 0)."""
+
+    vertical_size: int = 1000
+    slash_size: int = 6096
+    last_q: int = 64
+    force_vertical: int = 30
+    force_slash: int = 100
+
+    def __post_init__(self) -> None:
+        check_int("vertical_size", self.vertical_size, 1)
+        check_int("slash_size", self.slash_size, 1)
+        check_int("last_q", self.last_q, 1)
+        check_int("force_vertical", self.force_vertical, 0)
+        check_int("force_slash", self.force_slash, 0)
+
+
+@dataclass(frozen=True)
+class VSLines:
+    """Selected lines: vertical key ids and slash offsets (pos - j), int64 [B, H, V] and [B, H, S], ascending."""
+
+    vertical: torch.Tensor
+    slash: torch.Tensor
+    q_len: int
+    kv_len: int
+    head_space: str
+
+
+def estimate(
+    params: VerticalSlashParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    head_space: str = "query",
+    scale: float | None = None,
+) -> VSLines:
+    """Vertical and slash lines from q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] (see the module docstring)."""
+    columns, diagonals = last_q_sums(q, k, params.last_q, head_space=head_space, scale=scale)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    columns[..., : params.force_vertical] = float("inf")
+    diagonals[..., : params.force_slash] = float("inf")
+    vertical = top_ids(columns, min(max(params.vertical_size, params.force_vertical), kv_len))
+    slash = top_ids(diagonals, min(max(params.slash_size, params.force_slash), kv_len))
+    return VSLines(vertical, slash, q_len, kv_len, head_space)
+
+
+def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) -> BlockIndex:
+    """Block cover of the slash lines plus gathered vertical columns (see the module docstring).
+
+    ``meta["lines"]`` keeps the VSLines.
+    """
+    q_len, kv_len = lines.q_len, check_lengths(lines.q_len, lines.kv_len)
+    device = lines.slash.device
+    kv_blocks = num_blocks(kv_len, block_n)
+    p0, p1 = query_block_bounds(q_len, kv_len, block_m, device)
+    p0, p1 = p0[:, None, None], p1[:, None, None]  # [QB, 1, 1] against [B, H, 1, S, 1] below
+    # Slash offsets -> touched key blocks: [B, H, QB, S, per_offset].
+    offsets = lines.slash[:, :, None, :, None]
+    hi = p1 - offsets
+    lo = torch.clamp(p0 - offsets, min=0)
+    per_offset = (block_m - 1) // block_n + 2
+    step = torch.arange(per_offset, device=device)
+    ids = lo // block_n + step
+    valid = (hi >= 0) & (ids <= hi // block_n)
+    batch, heads, q_blocks = lines.slash.shape[0], lines.slash.shape[1], p0.shape[0]
+    ids = ids.reshape(batch, heads, q_blocks, -1)
+    valid = valid.reshape(batch, heads, q_blocks, -1)
+    first = p0[:, :, 0]  # [QB, 1]
+    is_full = full_block(ids, first, kv_len, block_n)
+    index = index_from_candidates(
+        ids, valid, is_full, kv_blocks, block_m, block_n, head_space=lines.head_space,
+        meta={"pattern": NAME, "lines": lines},
+    )
+    # Verticals: causal for the block's last row and not inside a listed block -> gathered columns.
+    listed = _listed_blocks(index, kv_blocks)  # [B, H, QB, L] ascending, padded with kv_blocks
+    vertical = lines.vertical[:, :, None, :].expand(batch, heads, q_blocks, -1)
+    col_block = (vertical // block_n).contiguous()
+    where = torch.searchsorted(listed, col_block).clamp(max=listed.shape[-1] - 1)
+    covered = listed.gather(-1, where) == col_block
+    keep = (vertical <= p1[:, :, 0]) & ~covered
+    keyed = torch.where(keep, vertical, torch.full_like(vertical, kv_len)).sort(-1).values
+    col_count = keep.sum(-1, dtype=torch.int32)
+    width = max(1, int(col_count.max().item()) if col_count.numel() else 1)
+    col_idx = keyed[..., :width]
+    col_idx = torch.where(col_idx >= kv_len, torch.zeros_like(col_idx), col_idx).to(torch.int32).contiguous()
+    return BlockIndex(
+        index.full_count, index.full_idx, index.partial_count, index.partial_idx, block_m, block_n,
+        lines.head_space, col_count, col_idx, meta=index.meta,
+    )
+
+
+def _listed_blocks(index: BlockIndex, kv_blocks: int) -> torch.Tensor:
+    """Union of the full and partial lists per query block, ascending, padded with kv_blocks: int64 [B, H, QB, L]."""
+    parts = []
+    for count, idx in ((index.full_count, index.full_idx), (index.partial_count, index.partial_idx)):
+        valid = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)
+        parts.append(torch.where(valid, idx.long(), torch.full_like(idx, kv_blocks, dtype=torch.int64)))
+    return torch.cat(parts, dim=-1).sort(-1).values.contiguous()
+
+
+def build_index(
+    params: VerticalSlashParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    head_space: str = "query",
+    block_m: int = 64,
+    block_n: int = 64,
+    scale: float | None = None,
+) -> BlockIndex:
+    """estimate + index_from_lines."""
+    lines = estimate(params, q, k, head_space=head_space, scale=scale)
+    return index_from_lines(lines, block_m=block_m, block_n=block_n)
+
+
+def predicate(params: VerticalSlashParams, lines: VSLines, group: int = 1):
+    """mask_mod-style predicate over absolute positions for given lines (lookup tables of size [B, H, Nk]).
+
+    group: query heads per lines head (the GQA group when the lines are per KV head), else 1.
+    """
+    shape = (*lines.vertical.shape[:2], lines.kv_len)
+    is_vertical = torch.zeros(shape, dtype=torch.bool, device=lines.vertical.device).scatter_(-1, lines.vertical, True)
+    is_slash = torch.zeros(shape, dtype=torch.bool, device=lines.slash.device).scatter_(-1, lines.slash, True)
+    last = lines.kv_len - 1
+
+    def vertical_slash(b: torch.Tensor, h: torch.Tensor, q_pos: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        hh = h // group
+        offset = q_pos - kv_idx
+        on_slash = is_slash[b, hh, offset.clamp(0, last)]
+        on_vertical = is_vertical[b, hh, kv_idx.clamp(0, last)]
+        return (offset >= 0) & (on_vertical | on_slash)
+
+    vertical_slash.__name__ = f"vertical_slash_{params.vertical_size}_{params.slash_size}"
+    return vertical_slash
+
+
+def slash_predicate(lines: VSLines, group: int = 1):
+    """The slash lines alone (their block cover is exactly what the index lists)."""
+    empty = VSLines(lines.vertical[..., :0], lines.slash, lines.q_len, lines.kv_len, lines.head_space)
+    fn = predicate(VerticalSlashParams(), empty, group)
+    fn.__name__ = "vertical_slash_slashes"
+    return fn
+
+
+def density(
+    params: VerticalSlashParams,
+    q_len: int,
+    *,
+    kv_len: int | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    index: BlockIndex | None = None,
+) -> float:
+    """Fraction of the causal matrix the kernel computes.
+
+    With ``index`` (from ``build_index``): exact, mean over batch and heads. Without: an upper bound that
+    assumes no two slash offsets share a key block and no vertical is covered, per query block
+    min(its causal entries, slashes x blocks-per-offset x rows x block_n + verticals x rows).
+    """
+    kv_len = check_lengths(q_len, kv_len)
+    if index is not None:
+        return index_entries(index, q_len, kv_len) / (index.batch * index.heads * causal_entries(q_len, kv_len))
+    first, last = query_block_bounds(q_len, kv_len, block_m)
+    rows = last - first + 1
+    causal = (first + 1 + last + 1) * rows // 2
+    slashes = min(max(params.slash_size, params.force_slash), kv_len)
+    verticals = min(max(params.vertical_size, params.force_vertical), kv_len)
+    per_offset = (block_m - 1) // block_n + 2
+    bound = torch.clamp(slashes * per_offset * rows * block_n + verticals * rows, max=causal)
+    return min(1.0, int(bound.sum()) / causal_entries(q_len, kv_len))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    params = VerticalSlashParams(vertical_size=3, slash_size=3, last_q=8, force_vertical=1, force_slash=1)
+    q_len = kv_len = 48
+    dim = 32
+    q, k = torch.randn(1, 1, q_len, dim) * 0.1, torch.randn(1, 1, kv_len, dim) * 0.1
+    k[:, :, 20, 0] = 6.0  # a vertical line at key 20
+    q[:, :, :, 0] = 3.0
+    lines = estimate(params, q, k)
+    print(f"verticals {lines.vertical.tolist()}, slash offsets {lines.slash.tolist()}")
+    zero = torch.zeros((), dtype=torch.int64)
+    pos, cols = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+    print(ascii_mask(predicate(params, lines)(zero, zero, pos, cols)))
+    index = index_from_lines(lines, block_m=16, block_n=16)
+    print("slash block cover (block_m=16, block_n=16): F full, P partial; gathered columns per q block:")
+    print(ascii_blocks(index, kv_len))
+    print(index.col_idx[0, 0].tolist(), index.col_count[0, 0].tolist())
+    print(f"density: {density(params, q_len, block_m=16, block_n=16, index=index):.3f}")
+
+
+if __name__ == "__main__":
+    main()
