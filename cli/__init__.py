@@ -1,0 +1,1 @@
+"""The `sparsesearch` command line: one thin typer module per command over library calls."""

@@ -1,0 +1,25 @@
+"""The typer application: registers one command per module."""
+
+from __future__ import annotations
+
+import typer
+
+from . import check
+
+app = typer.Typer(
+    name="sparsesearch",
+    help="Search, probe and run sparse attention for long-context LLMs and VLMs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("check")(check.check)
+
+
+@app.callback()
+def _root() -> None:
+    """Search, probe and run sparse attention for long-context LLMs and VLMs."""
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,118 @@
+"""End-to-end check of the pattern library and kernels on this machine.
+
+For every pattern: build its index from random Q/K (dynamic patterns estimate online), run the Triton
+kernel (the CPU interpreter when there is no GPU), compare with the torch oracle over the same admitted
+set, and report density, error and times. This is what ``sparsesearch check`` runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .index import BlockIndex, validate
+from .kernels import block_sparse_attention, triangle_attention
+from .patterns import ashape, block_topk, dense, grid, index_density, triangle, vertical_slash
+from .reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class CheckRow:
+    pattern: str
+    params: str
+    density: float
+    rel_error: float
+    budget: float
+    ok: bool
+    index_ms: float
+    kernel_ms: float
+
+
+def default_cases(tokens: int) -> dict[str, object]:
+    """Parameters scaled to the length so every pattern is sparse but not empty."""
+    quarter = max(1, tokens // 4)
+    return {
+        "dense": dense.DenseParams(),
+        "ashape": ashape.AShapeParams(sink=16, local=quarter),
+        "block_topk": block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1),
+        "vertical_slash": vertical_slash.VerticalSlashParams(vertical_size=max(1, tokens // 16), slash_size=max(1, tokens // 16), last_q=16, force_vertical=4, force_slash=8),
+        "triangle": triangle.TriangleParams(sink=16, window=quarter, last=min(64, tokens)),
+        "grid": grid.GridParams(stride=max(2, tokens // 32), phase=0, use_hline=True, use_vline=True, use_slash=True, local=quarter),
+    }
+
+
+def _build(name: str, params, q, k, block: int) -> tuple[BlockIndex, Callable]:
+    n, kv_heads = q.shape[2], k.shape[1]
+    static = dict(heads=kv_heads, block_m=block, block_n=block, head_space="kv", device=q.device)
+    if name in ("vertical_slash", "block_topk"):
+        module = vertical_slash if name == "vertical_slash" else block_topk
+        return module.build_index(params, q, k, head_space="kv", block_m=block, block_n=block), block_sparse_attention
+    module = {"dense": dense, "ashape": ashape, "triangle": triangle, "grid": grid}[name]
+    index = module.build_index(params, n, **static)
+    if name == "triangle":
+        return index, lambda q_, k_, v_, i_: triangle_attention(q_, k_, v_, i_, params.last)
+    return index, block_sparse_attention
+
+
+def check_patterns(
+    tokens: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: str = "bf16",
+    block: int = 64,
+    device: str = "cpu",
+    patterns: list[str] | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[CheckRow]:
+    """Run every (or the named) pattern end to end; each row says whether the kernel met its error budget."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    cases = default_cases(tokens)
+    unknown = sorted(set(patterns or []) - set(cases))
+    if unknown:
+        raise ValueError(f"unknown pattern(s) {unknown}; choose from {sorted(cases)}")
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(1, h, tokens, head_dim, generator=gen).to(DTYPES[dtype]).to(device)
+    q, k, v = make(heads), make(kv_heads), make(kv_heads)
+    rows = []
+    for name, params in cases.items():
+        if patterns and name not in patterns:
+            continue
+        if progress:
+            progress(name)
+        start = time.perf_counter()
+        index, run = _build(name, params, q, k, block)
+        index_ms = 1e3 * (time.perf_counter() - start)
+        validate(index, tokens)
+        start = time.perf_counter()
+        out, _ = run(q, k, v, index)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        kernel_ms = 1e3 * (time.perf_counter() - start)
+        if name == "triangle":
+            mask = predicate_mask_fn(triangle.predicate(params, tokens), 1, heads, tokens, tokens)
+            density = triangle.density(params, tokens, block_m=block, block_n=block)
+        else:
+            mask = index_mask_fn(index, tokens, tokens, heads // kv_heads)
+            density = index_density(index, tokens)
+        ref, _ = masked_attention(q, k, v, mask)
+        low, _ = masked_attention(q, k, v, mask, upcast=False)
+        err = relative_error(out, ref)
+        budget = 2 * relative_error(low, ref) + (1e-5 if dtype == "fp32" else 4e-3)
+        rows.append(CheckRow(name, repr(params), round(density, 4), err, budget, err <= budget, round(index_ms, 2), round(kernel_ms, 2)))
+    return rows
+
+
+def rows_as_dicts(rows: list[CheckRow]) -> list[dict]:
+    return [asdict(r) for r in rows]
