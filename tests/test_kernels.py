@@ -14,6 +14,7 @@ from conftest import DEVICE
 from indices import dense_causal_index, random_index
 from sparsesearch.index import BlockIndex, stack, validate
 from sparsesearch.kernels import block_sparse_attention, merge_partials, merge_two, tail_attention, triangle_attention
+from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
 from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
 FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
@@ -233,3 +234,67 @@ def test_bad_index_raises():
     q = torch.randn(5, 1, 64)
     with pytest.raises(ValueError, match="non-decreasing"):
         block_sparse_attention(q, q, q, random_index(2, 1, 10, 10, 16, 16), cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("head_space", ["query", "kv"])
+def test_head_map_launches_fill_one_output(head_space):
+    """Two launches over disjoint head groups (one index each) fill a shared output like one launch would."""
+    q, k, v = qkv(2, 6, 2, 80, 80, 64, torch.float16, seed=4)
+    space = 2 if head_space == "kv" else 6
+    groups = [[0], [1]] if head_space == "kv" else [[0, 2, 5], [1, 3, 4]]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 6, 80), float("nan"), device=DEVICE)
+    parts = []
+    for n, ids in enumerate(groups):
+        index = random_index(2, len(ids), 80, 80, 16, 32, columns=3, head_space=head_space, seed=n, device=DEVICE)
+        heads = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+        block_sparse_attention(q, k, v, index, heads=heads, out=out, lse=lse)
+        parts.append((ids, index))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "every head must be written exactly once"
+    group = 6 // space
+    for ids, index in parts:
+        qh = torch.cat([torch.arange(i * group, (i + 1) * group) for i in ids]) if head_space == "kv" else torch.tensor(ids)
+        kh = torch.tensor(ids) if head_space == "kv" else torch.tensor(ids) // 3
+        sub_k, sub_v = k[:, kh], v[:, kh]
+        mask = index_mask_fn(index, 80, 80, group if head_space == "kv" else 1)
+        if head_space == "query":  # each query head has its own KV head: compare head by head
+            for slot, h in enumerate(ids):
+                one = lambda rows, slot=slot: mask(rows)[:, slot : slot + 1]
+                assert_close(out[:, h : h + 1], lse[:, h : h + 1], q[:, h : h + 1], k[:, h // 3 : h // 3 + 1], v[:, h // 3 : h // 3 + 1], one)
+        else:
+            assert_close(out[:, qh], lse[:, qh], q[:, qh], sub_k, sub_v, mask)
+
+
+def test_head_map_rejects_bad_ids():
+    q, k, v = qkv(1, 4, 2, 64, 64, 64, torch.float16)
+    index = random_index(1, 2, 64, 64, 32, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="distinct ids"):
+        block_sparse_attention(q, k, v, index, heads=torch.tensor([0, 0], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="distinct ids"):
+        block_sparse_attention(q, k, v, index, heads=torch.tensor([3, 4], dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}_m{}_n{}".format(*c[:8]))
+@pytest.mark.parametrize("head_space", ["query", "kv"])
+@pytest.mark.parametrize("window", [-1, 37])
+def test_torch_backend_matches_oracle(case, head_space, window):
+    """The CPU runtime backend obeys the same index semantics (window/sink, columns, GQA, q_len < kv_len)."""
+    batch, q_heads, kv_heads, q_len, kv_len, dim, bm, bn, dtype = case
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype, seed=9)
+    heads = kv_heads if head_space == "kv" else q_heads
+    index = random_index(batch, heads, q_len, kv_len, bm, bn, columns=4, window=window, sink=3, head_space=head_space, device=DEVICE)
+    out, lse = block_sparse_attention_torch(q, k, v, index)
+    group = q_heads // kv_heads if head_space == "kv" else 1
+    assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, group))
+    ref_o, ref_l = block_sparse_attention(q, k, v, index)
+    assert relative_error(out, ref_o) < 1e-2
+
+
+def test_torch_backend_head_map():
+    q, k, v = qkv(1, 6, 2, 70, 70, 64, torch.float32, seed=1)
+    index = random_index(1, 1, 70, 70, 16, 16, head_space="kv", device=DEVICE)
+    out = torch.zeros_like(q)
+    lse = torch.zeros(1, 6, 70, device=DEVICE)
+    block_sparse_attention_torch(q, k, v, index, heads=torch.tensor([1], dtype=torch.int32), out=out, lse=lse)
+    assert bool((out[:, :3] == 0).all()), "heads outside the map stay untouched"
+    assert_close(out[:, 3:], lse[:, 3:], q[:, 3:], k[:, 1:], v[:, 1:], index_mask_fn(index, 70, 70, 3))

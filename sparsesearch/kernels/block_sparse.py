@@ -27,8 +27,8 @@ from ._common import LOG2E, block_d, dot_f32, check_cu_seqlens, check_qkv, inter
 def _block_sparse_fwd(
     Q, K, V, O, LSE,
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
-    CU_Q, CU_K,
-    qk_scale, q_len_max, kv_len_max, window, sink,
+    CU_Q, CU_K, HEAD_MAP,
+    qk_scale, q_len_max, kv_len_max, window, sink, heads_per_batch,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -38,20 +38,33 @@ def _block_sparse_fwd(
     stride_fb, stride_fh, stride_fm,
     stride_pb, stride_ph, stride_pm,
     stride_gb, stride_gh, stride_gm,
-    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, INDEX_PER_KV: tl.constexpr,
+    GROUP: tl.constexpr, INDEX_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_HEAD_MAP: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // Q_HEADS
-    h = pid_bh % Q_HEADS
-    kv_h = h // GROUP
-    if INDEX_PER_KV:
-        idx_h = kv_h
+    b = pid_bh // heads_per_batch
+    r = pid_bh % heads_per_batch
+    if USE_HEAD_MAP:
+        # This launch serves a subset of heads: index head `slot` is head HEAD_MAP[slot] of its space.
+        if INDEX_PER_KV:
+            slot = r // GROUP
+            h = tl.load(HEAD_MAP + slot) * GROUP + r % GROUP
+        else:
+            slot = r
+            h = tl.load(HEAD_MAP + slot)
+        idx_h = slot
+        kv_h = h // GROUP
     else:
-        idx_h = h
+        h = r
+        kv_h = h // GROUP
+        if INDEX_PER_KV:
+            idx_h = kv_h
+        else:
+            idx_h = h
     if VARLEN:
         q_start = tl.load(CU_Q + b)
         q_len = tl.load(CU_Q + b + 1) - q_start
@@ -150,11 +163,10 @@ def _index_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def check_index(index: BlockIndex, batch: int, q_heads: int, kv_heads: int, q_len_max: int, device: torch.device) -> None:
-    """Raise ValueError when an index cannot drive attention over these inputs."""
-    want_heads = kv_heads if index.head_space == "kv" else q_heads
-    if index.heads != want_heads:
-        raise ValueError(f"index has {index.heads} heads but head_space={index.head_space!r} needs {want_heads}")
+def check_index(index: BlockIndex, batch: int, index_heads: int, q_len_max: int, device: torch.device) -> None:
+    """Raise ValueError when an index cannot drive attention over these inputs (index_heads: rows it needs)."""
+    if index.heads != index_heads:
+        raise ValueError(f"index has {index.heads} heads but head_space={index.head_space!r} needs {index_heads} here")
     if index.batch != batch:
         raise ValueError(f"index batch {index.batch} differs from input batch {batch} (use index.expand_batch)")
     need = num_blocks(q_len_max, index.block_m)
@@ -167,6 +179,24 @@ def check_index(index: BlockIndex, batch: int, q_heads: int, kv_heads: int, q_le
         raise ValueError("index count tensors must share strides (build them together or call .contiguous())")
 
 
+def _check_head_map(heads: torch.Tensor | None, space_heads: int, device: torch.device) -> int | None:
+    """Number of heads a head map serves (None without one); ValueError when it is malformed."""
+    if heads is None:
+        return None
+    if heads.dim() != 1 or heads.dtype != torch.int32 or heads.device != device:
+        raise ValueError(f"heads must be a 1-D int32 tensor on {device}, got {heads.dtype} {tuple(heads.shape)} on {heads.device}")
+    ids = heads.tolist()
+    if not ids or min(ids) < 0 or max(ids) >= space_heads or len(set(ids)) != len(ids):
+        raise ValueError(f"heads must be distinct ids in [0, {space_heads}), got {ids}")
+    return len(ids)
+
+
+def _check_out(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be a {dtype} tensor (unit stride in its last dim) of shape {tuple(shape)} on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
 def block_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -176,6 +206,9 @@ def block_sparse_attention(
     scale: float | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of q over the keys the index admits.
@@ -183,6 +216,9 @@ def block_sparse_attention(
     Dense: q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq].
     Varlen (cu_seqlens given): q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens int32 [B + 1]
     -> out [Tq, Hq, D], lse fp32 [Hq, Tq]. The index has B = number of sequences.
+    heads: int32 [Hs] ids (in the index's head space) of the heads this launch computes; index row i is
+    head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
+    shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages) for tuning; None picks per device.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -195,37 +231,41 @@ def block_sparse_attention(
     else:
         batch, q_heads, q_len_max = q.shape[:3]
         kv_heads, kv_len_max = k.shape[1], k.shape[2]
-    check_index(index, batch, q_heads, kv_heads, q_len_max, q.device)
+    space_heads = kv_heads if index.head_space == "kv" else q_heads
+    served = _check_head_map(heads, space_heads, q.device)
+    check_index(index, batch, space_heads if served is None else served, q_len_max, q.device)
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.empty_like(q)
+    lse_shape = (q_heads, q.shape[0]) if varlen else (batch, q_heads, q_len_max)
+    out = _check_out("out", out, q.shape, q.dtype, q.device) if out is not None else torch.empty_like(q)
+    lse = _check_out("lse", lse, lse_shape, torch.float32, q.device) if lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if varlen:
-        lse = torch.empty(q_heads, q.shape[0], dtype=torch.float32, device=q.device)
         # Batch strides are 0: each sequence's start comes from cu_seqlens.
         sq, sk, sv, so = (0, q.stride(1), q.stride(0)), (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0)), (0, out.stride(1), out.stride(0))
         sl = (0, lse.stride(0), lse.stride(1))
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
     else:
-        lse = torch.empty(batch, q_heads, q_len_max, dtype=torch.float32, device=q.device)
         sq, sk, sv, so, sl = q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride()
         cu_q = cu_k = index.full_count  # unused placeholders (VARLEN is a constexpr False)
     if q_len_max == 0:
         return out, lse
     has_cols = index.col_count is not None
     dummy = index.full_idx
-    grid = (num_blocks(q_len_max, index.block_m), batch * q_heads)
+    heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
+    grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch)
     _block_sparse_fwd[grid](
         q, k, v, out, lse,
         index.full_count, index.full_idx, index.partial_count, index.partial_idx,
         index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
-        cu_q, cu_k,
-        scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink,
+        cu_q, cu_k, heads if served is not None else index.full_count,
+        scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(index.full_count), *_index_strides(index.full_idx),
         *_index_strides(index.partial_idx), *_index_strides(index.col_idx),
-        Q_HEADS=q_heads, GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
+        GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
+        USE_HEAD_MAP=served is not None,
         **(config or _launch_config(index.block_m, index.block_n, head_dim)),
     )
     return out, lse

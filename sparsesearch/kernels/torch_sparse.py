@@ -1,0 +1,128 @@
+"""Index-driven block-sparse attention in plain torch: the CPU backend of the runtime.
+
+Same contract as ``block_sparse_attention`` (dense layout): the keys a BlockIndex admits, GQA without
+repeating K/V in memory, an optional head map, rows with no key -> (0, -inf). Query blocks are processed
+in chunks whose gathered keys stay under a memory budget, so no n x n matrix exists at any time. The
+Triton kernel under TRITON_INTERPRET=1 is exact but far too slow for whole-model runs on a CPU; this
+backend is what the runtime uses when the tensors live on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..index import BlockIndex, num_blocks
+from ._common import check_qkv
+
+CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
+
+
+def block_sparse_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: BlockIndex,
+    *,
+    scale: float | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D] (q dtype), lse fp32 [B, Hq, Nq].
+
+    heads: int32 [Hs] index-space head ids this call computes (index row i = head heads[i]); others untouched.
+    """
+    check_qkv(q, k, v, varlen=False)
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    space = kv_heads if index.head_space == "kv" else q_heads
+    ids = torch.arange(space) if heads is None else heads.long().cpu()
+    if index.heads != ids.numel() or index.batch != batch:
+        raise ValueError(f"index is [B={index.batch}, H={index.heads}], inputs need [B={batch}, H={ids.numel()}]")
+    if index.q_blocks < num_blocks(q_len, index.block_m):
+        raise ValueError(f"index has {index.q_blocks} query blocks, {num_blocks(q_len, index.block_m)} needed")
+    # Query heads each index row serves, and the KV head of each: [R, per_row].
+    per_row = group if index.head_space == "kv" else 1
+    q_ids = (ids[:, None] * per_row + torch.arange(per_row)[None, :]) if index.head_space == "kv" else ids[:, None]
+    q_ids = q_ids.to(q.device)
+    kv_ids = q_ids // group
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
+
+    bm, bn = index.block_m, index.block_n
+    kb_total = num_blocks(kv_len, bn)
+    # K/V as blocks, one zero block appended as the target of padding slots.
+    pad = (kb_total + 1) * bn - kv_len
+    k_blk = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
+    v_blk = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
+    k_tok = torch.nn.functional.pad(k, (0, 0, 0, 1))  # a zero token for padded column slots
+    v_tok = torch.nn.functional.pad(v, (0, 0, 0, 1))
+    q_blocks = num_blocks(q_len, bm)
+    offset = kv_len - q_len
+    widths = (index.full_idx.shape[-1] + index.partial_idx.shape[-1]) * bn + (0 if index.col_idx is None else index.col_idx.shape[-1])
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * widths))
+    for start in range(0, q_blocks, rows_per_chunk):
+        stop = min(q_blocks, start + rows_per_chunk)
+        _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse)
+    return out, lse
+
+
+def _lists(count: torch.Tensor, idx: torch.Tensor, pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ids [.., W] with `pad_value` past each count, and the validity mask."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)
+    return torch.where(valid, idx.long(), torch.full_like(idx, pad_value, dtype=torch.long)), valid
+
+
+def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse):
+    """Attention of query blocks [start, stop) for every served head. Shapes: R index rows, G query heads per row."""
+    batch, dim = q.shape[0], q.shape[-1]
+    bm, bn = index.block_m, index.block_n
+    sl = slice(start, stop)
+    full, full_ok = _lists(index.full_count[:, :, sl], index.full_idx[:, :, sl], kb_total)
+    part, part_ok = _lists(index.partial_count[:, :, sl], index.partial_idx[:, :, sl], kb_total)
+    blocks = torch.cat([full, part], dim=-1)  # [B, R, C, W]
+    is_partial = torch.cat([torch.zeros_like(full_ok), part_ok], dim=-1)
+    rows_, per_row = q_ids.shape
+    n_chunk = stop - start
+    # Gather key blocks per (batch, served query head): [B, R, G, C, W*bn, D].
+    b_ix = torch.arange(batch, device=q.device)[:, None, None, None, None]
+    kvh = kv_ids[None, :, :, None, None]
+    blk = blocks[:, :, None, :, :]
+    keys = k_blk[b_ix, kvh, blk].flatten(-3, -2)
+    vals = v_blk[b_ix, kvh, blk].flatten(-3, -2)
+    key_pos = (blocks[..., None] * bn + torch.arange(bn, device=q.device)).flatten(-2)  # [B, R, C, W*bn]
+    key_partial = is_partial[..., None].expand(*is_partial.shape, bn).flatten(-2)
+    key_ok = key_pos < kv_len  # padding slots point at block kb_total, past kv_len
+    if index.col_count is not None:
+        cols, col_ok = _lists(index.col_count[:, :, sl], index.col_idx[:, :, sl], kv_len)
+        col = cols[:, :, None]
+        keys = torch.cat([keys, k_tok[b_ix, kvh, col]], dim=-2)
+        vals = torch.cat([vals, v_tok[b_ix, kvh, col]], dim=-2)
+        key_pos = torch.cat([key_pos, cols], dim=-1)
+        key_partial = torch.cat([key_partial, torch.zeros_like(col_ok)], dim=-1)
+        key_ok = torch.cat([key_ok, col_ok], dim=-1)
+    # Queries of the chunk: [B, R, G, C, bm, D] (rows past q_len padded with zeros, dropped at the end).
+    row0, row1 = start * bm, min(q_len, stop * bm)
+    q_rows = torch.zeros(batch, rows_, per_row, n_chunk * bm, dim, dtype=torch.float32, device=q.device)
+    q_rows[..., : row1 - row0, :] = q[b_ix[..., 0], q_ids[None, :, :, None], torch.arange(row0, row1, device=q.device)].float()
+    q_rows = q_rows.view(batch, rows_, per_row, n_chunk, bm, dim)
+    scores = torch.einsum("brgcmd,brgckd->brgcmk", q_rows, keys.float()) * scale
+    pos = (torch.arange(start * bm, stop * bm, device=q.device) + offset).view(n_chunk, bm)
+    kp = key_pos[:, :, None, :, None, :]
+    ok = key_ok[:, :, None, :, None, :] & (kp <= pos[None, None, None, :, :, None])
+    if index.window >= 0:
+        token = ((pos[None, None, None, :, :, None] - kp) < index.window) | (kp < index.sink)
+        ok = ok & (~key_partial[:, :, None, :, None, :] | token)
+    scores = scores.masked_fill(~ok, float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+    res = torch.einsum("brgcmk,brgckd->brgcmd", probs, vals.float()).reshape(batch, rows_, per_row, n_chunk * bm, dim)
+    row_lse = row_lse.reshape(batch, rows_, per_row, n_chunk * bm)
+    n_rows = row1 - row0
+    heads_flat = q_ids.reshape(-1)
+    out[:, heads_flat, row0:row1] = res[..., :n_rows, :].reshape(batch, -1, n_rows, dim).to(out.dtype)
+    lse[:, heads_flat, row0:row1] = row_lse[..., :n_rows].reshape(batch, -1, n_rows)
