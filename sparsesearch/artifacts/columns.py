@@ -1,0 +1,72 @@
+"""Column contract of heads.parquet (artifact v1), shared by the writer, the runtime and the exporters.
+
+One row per (layer, head[, q_modality, k_modality]). A row's pattern parameters live in typed, nullable
+columns named after the fields of the pattern's params dataclass (sparsesearch.patterns.PARAMS); columns
+a pattern does not use are null. ``params_from_row`` / ``row_from_params`` convert both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+import pyarrow as pa
+
+BOUNDARIES = ("none", "k", "q", "2d")
+ALL_MODALITIES = "all"  # text-only models and intra-pattern rows that apply to every token
+
+# Parameter columns: every field of every pattern's params dataclass, with its arrow type.
+PARAM_COLUMNS: dict[str, pa.DataType] = {
+    "sink": pa.int32(), "local": pa.int32(), "window": pa.int32(), "last": pa.int32(),
+    "vertical_size": pa.int32(), "slash_size": pa.int32(), "last_q": pa.int32(),
+    "force_vertical": pa.int32(), "force_slash": pa.int32(),
+    "k_blocks": pa.int32(), "sink_blocks": pa.int32(),
+    "stride": pa.int32(), "phase": pa.int32(),
+    "use_hline": pa.bool_(), "use_vline": pa.bool_(), "use_slash": pa.bool_(),
+}
+
+HEADS_SCHEMA = pa.schema(
+    [
+        pa.field("layer", pa.int32(), nullable=False),
+        pa.field("head", pa.int32(), nullable=False),
+        pa.field("q_modality", pa.string(), nullable=False),
+        pa.field("k_modality", pa.string(), nullable=False),
+        pa.field("boundary", pa.string(), nullable=False),
+        pa.field("pattern", pa.string(), nullable=False),
+        *[pa.field(name, typ, nullable=True) for name, typ in PARAM_COLUMNS.items()],
+        pa.field("block_m", pa.int32(), nullable=False),
+        pa.field("block_n", pa.int32(), nullable=False),
+        # Measured at calibration (null when imported or hand-written):
+        pa.field("density", pa.float64(), nullable=True),       # computed fraction of the causal matrix
+        pa.field("recall", pa.float64(), nullable=True),        # attention mass (x |v|) kept
+        pa.field("output_error", pa.float64(), nullable=True),  # relative L2 error of the head's output
+        pa.field("latency_ms", pa.float64(), nullable=True),    # measured (GPU) or modelled (CPU) cost
+        pa.field("score", pa.float64(), nullable=True),         # the objective value the search ranked by
+    ]
+)
+
+
+def params_from_row(row: dict):
+    """The params dataclass instance a heads row describes (validated by the dataclass)."""
+    from sparsesearch.patterns import PARAMS
+
+    pattern = row["pattern"]
+    if pattern not in PARAMS:
+        raise ValueError(f"unknown pattern {pattern!r} (known: {sorted(PARAMS)})")
+    cls = PARAMS[pattern]
+    values = {}
+    for f in fields(cls):
+        value = row.get(f.name)
+        if value is None or value != value:  # null or NaN from pandas
+            continue
+        values[f.name] = bool(value) if PARAM_COLUMNS.get(f.name) == pa.bool_() else int(value)
+    return cls(**values)
+
+
+def row_from_params(params) -> dict:
+    """Parameter columns for a params dataclass: its fields set, every other parameter column None."""
+    row = {name: None for name in PARAM_COLUMNS}
+    for name, value in asdict(params).items():
+        if name not in PARAM_COLUMNS:
+            raise ValueError(f"params field {name!r} has no heads.parquet column")
+        row[name] = value
+    return row

@@ -1,0 +1,7 @@
+"""Runtime: plan an artifact once per model, run sparse attention per call through transformers."""
+
+from .hf import ATTN_NAME, apply, model_info, remove, sparsesearch_attention
+from .plan import DEFAULT_MIN_TOKENS, HeadGroup, LayerPlan, Plan, build_plan
+from .run import Runner
+
+__all__ = ["ATTN_NAME", "DEFAULT_MIN_TOKENS", "HeadGroup", "LayerPlan", "Plan", "Runner", "apply", "build_plan", "model_info", "remove", "sparsesearch_attention"]

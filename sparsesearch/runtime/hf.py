@@ -1,0 +1,143 @@
+"""transformers integration: the registered attention function, apply / remove, load_model.
+
+Registration goes through ``AttentionInterface.register`` and ``AttentionMaskInterface.register`` (no
+module is patched): the mask function is transformers' own ``sdpa_mask``, so ``attention_mask`` is None
+exactly when attention is causal without padding. Each attention module of the text model gets a
+reference to the model's Runner and its layer's plan as plain attributes, which ``remove`` deletes.
+
+Dense SDPA runs (through transformers' own SDPA function, so logits are bit-identical to the stock
+model) for: dense layers, prompts shorter than the plan's ``min_tokens``, decoding and chunked prefill
+(q_len != kv_len), dropout, and padding that is not one contiguous run per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..models.info import ModelInfo
+from .plan import DEFAULT_MIN_TOKENS, Plan, build_plan
+from .run import Runner
+
+ATTN_NAME = "sparsesearch"
+_RUNNER = "_sparsesearch_runner"
+_LAYER = "_sparsesearch_layer"
+_PREVIOUS = "_sparsesearch_previous_attn"
+
+
+def sparsesearch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """AttentionInterface function: q [B, Hq, N, D], k/v [B, Hkv, N, D] post-RoPE -> ([B, N, Hq, D], None)."""
+    runner: Runner | None = getattr(module, _RUNNER, None)
+    layer = getattr(module, _LAYER, None)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    sparse = (
+        runner is not None and layer is not None and layer.kind != "dense" and q_len == kv_len
+        and q_len >= runner.plan.min_tokens and not (dropout and module.training)
+    )
+    if sparse and attention_mask is not None:
+        runs = _padding_runs(attention_mask, q_len)
+        if runs is not None:
+            return _attend_padded(runner, layer, query, key, value, scaling, runs), None
+        sparse = False
+    if not sparse:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = runner.attend(layer, query, key, value, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _padding_runs(mask: torch.Tensor, n: int) -> list[tuple[int, int]] | None:
+    """Per sequence, the one contiguous run [start, stop) of real tokens; None if some sequence has another shape.
+
+    mask: bool [B, 1, N, N] (True = attend) as sdpa_mask builds it; the last row sees every real key.
+    """
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != n:
+        return None
+    valid = mask[:, 0, -1, :]
+    runs = []
+    for row in valid:
+        ids = row.nonzero().flatten()
+        if ids.numel() == 0 or int(ids[-1] - ids[0]) + 1 != ids.numel():
+            return None
+        runs.append((int(ids[0]), int(ids[-1]) + 1))
+    return runs
+
+
+def _attend_padded(runner: Runner, layer, q, k, v, scale, runs) -> torch.Tensor:
+    """Each sequence's real tokens alone (a loop over the batch, not over heads); padding rows get zeros."""
+    batch, heads, n, dim = q.shape
+    out = torch.zeros(batch, n, heads, dim, dtype=q.dtype, device=q.device)
+    for b, (start, stop) in enumerate(runs):
+        sl = slice(start, stop)
+        qs, ks, vs = q[b : b + 1, :, sl], k[b : b + 1, :, sl], v[b : b + 1, :, sl]
+        if stop - start >= runner.plan.min_tokens:
+            res = runner.attend(layer, qs, ks, vs, scale=scale)
+        else:
+            group = q.shape[1] // k.shape[1]
+            res = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
+        out[b, sl] = res[0].transpose(0, 1)
+    return out
+
+
+def model_info(model) -> ModelInfo:
+    """ModelInfo read off a loaded model's (text) config; id/revision come from the loader when known."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return ModelInfo(
+        id=getattr(config, "_name_or_path", "") or "",
+        revision=getattr(model, "_sparsesearch_revision", "") or "",
+        architecture=(config.architectures or [type(model).__name__])[0],
+        num_layers=text.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+    )
+
+
+def _attention_modules(model, num_layers: int):
+    """The text model's attention modules: they carry `layer_idx` and project q/k/v."""
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < num_layers and hasattr(module, "q_proj") and hasattr(module, "k_proj"):
+            yield module
+
+
+def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS) -> Plan:
+    """Plan the artifact for this model and route its attention through sparsesearch. Returns the plan.
+
+    artifact: an object with ``manifest`` (dict) and ``heads`` (DataFrame), e.g. from artifacts.load_artifact.
+    """
+    from ..kernels._common import SUPPORTED_HEAD_DIMS
+
+    info = model_info(model)
+    plan = build_plan(artifact.manifest, artifact.heads, info, min_tokens=min_tokens)
+    if info.head_dim not in SUPPORTED_HEAD_DIMS and any(layer.kind != "dense" for layer in plan.layers):
+        raise ValueError(f"sparse kernels support head_dim {SUPPORTED_HEAD_DIMS}; this model has {info.head_dim}")
+    AttentionInterface.register(ATTN_NAME, sparsesearch_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    runner = Runner(plan)
+    modules = list(_attention_modules(model, info.num_layers))
+    if len({m.layer_idx for m in modules}) != info.num_layers:
+        raise ValueError(f"found attention modules for {len({m.layer_idx for m in modules})} of {info.num_layers} layers; unsupported model layout")
+    for module in modules:
+        setattr(module, _RUNNER, runner)
+        setattr(module, _LAYER, plan.layer(module.layer_idx))
+    if not hasattr(model, _PREVIOUS):
+        setattr(model, _PREVIOUS, model.config._attn_implementation)
+    model.set_attn_implementation(ATTN_NAME)
+    return plan
+
+
+def remove(model) -> None:
+    """Undo ``apply``: the previous attention implementation and no sparsesearch attributes left."""
+    for module in model.modules():
+        for name in (_RUNNER, _LAYER):
+            if hasattr(module, name):
+                delattr(module, name)
+    previous = getattr(model, _PREVIOUS, None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        delattr(model, _PREVIOUS)

@@ -1,0 +1,119 @@
+"""Run: one layer's attention under a plan, per call. Independent of transformers.
+
+``Runner.attend`` takes post-RoPE q [B, Hq, N, D], k/v [B, Hkv, N, D] (prefill, no padding) and returns
+out [B, Hq, N, D] (a view of a [B, N, Hq, D] buffer, the layout the model reshapes next, so no copy
+follows). Each head group costs one index build and one kernel launch (Triton on CUDA, the index-driven
+torch backend on CPU); heads without a group run SDPA together. Static indices are cached per shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..index import BlockIndex
+from ..patterns import ashape, block_topk, dense, grid, triangle, vertical_slash
+from .plan import HeadGroup, LayerPlan, Plan
+
+STATIC = {"dense": dense, "ashape": ashape, "grid": grid, "triangle": triangle}
+DYNAMIC = {"vertical_slash": vertical_slash, "block_topk": block_topk}
+CACHE_LIMIT = 64
+
+
+class Runner:
+    """Holds the plan and a small cache of static indices; one per model."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._static: dict[tuple, BlockIndex] = {}
+
+    def attend(self, layer: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        batch, q_heads, n, dim = q.shape
+        scale = 1.0 / math.sqrt(dim) if scale is None else scale
+        buf = torch.empty(batch, n, q_heads, dim, dtype=q.dtype, device=q.device)
+        out = buf.transpose(1, 2)
+        lse = torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device)
+        if layer.kind == "triangle":
+            self._triangle(layer.triangle, q, k, v, scale, out, lse)
+            return out
+        group = q_heads // k.shape[1]
+        covered = set()
+        for g in layer.groups:
+            index = self._index(g, q, k)
+            heads = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
+            _sparse(q, k, v, index, scale, heads, out, lse)
+            covered.update(_query_heads(g.heads, self.plan.head_space, group))
+        rest = [h for h in range(q_heads) if h not in covered]
+        if rest:
+            _dense_heads(q, k, v, rest, group, scale, out)
+        return out
+
+    def _index(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor) -> BlockIndex:
+        space, n, batch = self.plan.head_space, q.shape[2], q.shape[0]
+        if g.pattern in STATIC:
+            key = (g.pattern, g.params, n, batch, len(g.heads), g.block_m, g.block_n, space, q.device)
+            if key not in self._static:
+                if len(self._static) >= CACHE_LIMIT:
+                    self._static.pop(next(iter(self._static)))
+                self._static[key] = STATIC[g.pattern].build_index(
+                    g.params, n, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n, head_space=space, device=q.device
+                )
+            return self._static[key]
+        group = q.shape[1] // k.shape[1]
+        q_ids = torch.tensor(_query_heads(g.heads, space, group), device=q.device)
+        # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
+        kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
+        return DYNAMIC[g.pattern].build_index(
+            g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space, block_m=g.block_m, block_n=g.block_n
+        )
+
+    def _triangle(self, params, q, k, v, scale, out, lse) -> None:
+        n, kv_heads = q.shape[2], k.shape[1]
+        key = ("triangle", params, n, q.shape[0], kv_heads, 64, 64, "kv", q.device)
+        if key not in self._static:
+            self._static[key] = triangle.build_index(params, n, batch=q.shape[0], heads=kv_heads, block_m=64, block_n=64, head_space="kv", device=q.device)
+        index = self._static[key]
+        if q.is_cuda:
+            from ..kernels import triangle_attention
+
+            res, _ = triangle_attention(q, k, v, index, params.last, scale=scale)
+            out.copy_(res)
+            return
+        from ..kernels.torch_sparse import block_sparse_attention_torch
+        from ..reference import masked_attention
+
+        block_sparse_attention_torch(q, k, v, index, scale=scale, out=out, lse=lse)
+        rows = min(params.last, n)
+        # The dense last rows: `rows` x N scores at most, chunked by the oracle.
+        tail, _ = masked_attention(q[:, :, n - rows :], k, v, scale=scale)
+        out[:, :, n - rows :] = tail.to(out.dtype)
+
+
+def _query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
+    if space == "query":
+        return list(heads)
+    return [h * group + i for h in heads for i in range(group)]
+
+
+def _sparse(q, k, v, index, scale, heads, out, lse) -> None:
+    if q.is_cuda:
+        from ..kernels import block_sparse_attention
+
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse)
+    else:
+        from ..kernels.torch_sparse import block_sparse_attention_torch
+
+        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse)
+
+
+def _dense_heads(q, k, v, heads: list[int], group: int, scale: float, out) -> None:
+    """Causal SDPA for the heads no sparse group covers (GQA handled by SDPA, K/V not repeated)."""
+    q_ids = torch.tensor(heads, device=q.device)
+    if len(heads) == q.shape[1]:
+        res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+    else:
+        kv_ids = q_ids // group
+        res = F.scaled_dot_product_attention(q.index_select(1, q_ids), k.index_select(1, kv_ids), v.index_select(1, kv_ids), is_causal=True, scale=scale)
+    out[:, q_ids] = res.to(out.dtype)

@@ -1,0 +1,136 @@
+"""Runtime through transformers' AttentionInterface on a tiny random Llama (CPU, torch backend)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sparsesearch.artifacts.columns import ALL_MODALITIES, row_from_params
+from sparsesearch.patterns import PARAMS
+from sparsesearch.runtime import ATTN_NAME, apply, build_plan, model_info, remove
+
+N = 200
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def artifact(rows: list[tuple[int, int, str, dict]], space: str = "kv", methods: dict | None = None):
+    records = []
+    for layer, head, pattern, params in rows:
+        rec = {"layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES, "boundary": "none",
+               "pattern": pattern, "block_m": 32, "block_n": 32}
+        rec.update(row_from_params(PARAMS[pattern](**params)))
+        records.append(rec)
+    return SimpleNamespace(manifest={"head_index_space": space, "methods": methods or {}}, heads=pd.DataFrame(records))
+
+
+def logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def ids(batch=1, n=N, seed=1):
+    return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_dense_artifact_reproduces_stock_logits_exactly(model):
+    x = ids()
+    stock = logits(model, x)
+    plan = apply(model, artifact([(l, h, "dense", {}) for l in range(3) for h in range(2)]), min_tokens=16)
+    try:
+        assert model.config._attn_implementation == ATTN_NAME
+        assert plan.summary() == {"dense": 3}
+        assert torch.equal(logits(model, x), stock)
+    finally:
+        remove(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_covering_patterns_match_dense(model):
+    """A-shape with a window past N and VS with every line admit every causal key: same logits as dense."""
+    x = ids()
+    stock = logits(model, x)
+    rows = [(0, 0, "ashape", {"sink": 4, "local": 4 * N}), (0, 1, "vertical_slash", {"vertical_size": N, "slash_size": N, "last_q": 16}),
+            (1, 0, "block_topk", {"k_blocks": 64, "sink_blocks": 1}), (2, 1, "ashape", {"sink": 0, "local": 4 * N})]
+    plan = apply(model, artifact(rows), min_tokens=16)
+    try:
+        assert plan.summary() == {"sparse": 3}
+        got = logits(model, x)
+    finally:
+        remove(model)
+    torch.testing.assert_close(got, stock, atol=2e-4, rtol=1e-4)
+
+
+def test_sparse_artifact_changes_logits_and_generates(model):
+    x = ids()
+    stock = logits(model, x)
+    rows = [(l, h, "ashape", {"sink": 4, "local": 32}) for l in range(3) for h in range(2)]
+    apply(model, artifact(rows), min_tokens=16)
+    try:
+        sparse = logits(model, x)
+        out = model.generate(x, max_new_tokens=5, do_sample=False)
+    finally:
+        remove(model)
+    assert not torch.allclose(sparse, stock, atol=1e-3)
+    assert out.shape == (1, N + 5)
+
+
+def test_query_space_and_triangle_layers(model):
+    x = ids()
+    stock = logits(model, x)
+    rows = [(0, h, "ashape", {"sink": 0, "local": 4 * N}) for h in range(4)]
+    tri = {"trianglemix": {"start_layer": 1, "sink": 4 * N, "window": 4 * N, "last": 16}}
+    plan = apply(model, artifact(rows, space="query", methods=tri), min_tokens=16)
+    try:
+        assert plan.summary() == {"sparse": 1, "triangle": 2}
+        got = logits(model, x)
+    finally:
+        remove(model)
+    torch.testing.assert_close(got, stock, atol=2e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_matches_single_sequences(model):
+    rows = [(l, h, "ashape", {"sink": 4, "local": 40}) for l in range(3) for h in range(2)]
+    a, b = ids(n=N, seed=2), ids(n=N - 37, seed=3)
+    batch = torch.zeros(2, N, dtype=torch.long)
+    mask = torch.zeros(2, N, dtype=torch.long)
+    batch[0], mask[0] = a[0], 1
+    batch[1, 37:], mask[1, 37:] = b[0], 1
+    apply(model, artifact(rows), min_tokens=16)
+    try:
+        together = logits(model, batch, mask)
+        alone_a, alone_b = logits(model, a), logits(model, b)
+    finally:
+        remove(model)
+    torch.testing.assert_close(together[0], alone_a[0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(together[1, 37:], alone_b[0], atol=2e-4, rtol=1e-4)
+
+
+def test_short_prompts_and_decoding_stay_dense(model):
+    x = ids(n=20)
+    stock = logits(model, x)
+    apply(model, artifact([(0, 0, "ashape", {"sink": 1, "local": 2})]), min_tokens=64)
+    try:
+        assert torch.equal(logits(model, x), stock)
+    finally:
+        remove(model)
+
+
+def test_plan_rejects_rows_outside_the_model(model):
+    info = model_info(model)
+    bad = artifact([(5, 0, "ashape", {"sink": 1, "local": 8})])
+    with pytest.raises(ValueError, match="outside the model"):
+        build_plan(bad.manifest, bad.heads, info)
+    with pytest.raises(ValueError, match="min_tokens"):
+        build_plan(bad.manifest, bad.heads, info, min_tokens=0)
