@@ -252,12 +252,14 @@ def validate(index: BlockIndex, q_lens: list[int] | int, kv_lens: list[int] | in
                                 "list it as partial"
                             )
                         if cpu.window >= 0:
-                            # Every key of every full block must pass the window (or sink) test for every row.
+                            # Every key of every full block must pass the window-or-sink test for every row: the
+                            # keys some row rejects are [sink, last_pos - window], so a full block must miss them.
                             lowest = ids.long() * cpu.block_n
-                            in_sink = (lowest + cpu.block_n) <= cpu.sink
-                            in_window = (last_pos - lowest) < cpu.window
-                            if not bool((in_sink | in_window).all()):
-                                raise ValueError(f"{where}: a full block crosses the window edge; list it as partial")
+                            highest = lowest + cpu.block_n - 1
+                            rejected_hi = last_pos - cpu.window
+                            crosses = (highest >= cpu.sink) & (lowest <= rejected_hi) & (rejected_hi >= cpu.sink)
+                            if bool(crosses.any()):
+                                raise ValueError(f"{where}: a full block holds keys the window/sink mask rejects; list it as partial")
     full, partial = to_block_masks(cpu, max(1, max(num_blocks(k, cpu.block_n) for k in kv_lens)))
     if bool((full & partial).any()):
         raise ValueError("a key block is listed as both full and partial")

@@ -298,3 +298,24 @@ def test_torch_backend_head_map():
     block_sparse_attention_torch(q, k, v, index, heads=torch.tensor([1], dtype=torch.int32), out=out, lse=lse)
     assert bool((out[:, :3] == 0).all()), "heads outside the map stay untouched"
     assert_close(out[:, 3:], lse[:, 3:], q[:, 3:], k[:, 1:], v[:, 1:], index_mask_fn(index, 70, 70, 3))
+
+
+def test_validate_window_rule_matches_pool_mask():
+    """validate accepts exactly the full blocks pool_mask calls full under an A-shape mask (sink + window)."""
+    from sparsesearch.index import from_block_masks
+    from sparsesearch.reference import pool_mask, predicate_mask_fn
+
+    for sink, window, n, bm, bn in ((3, 47, 200, 16, 16), (100, 1024, 2000, 32, 64), (0, 64, 300, 32, 32)):
+        mask = predicate_mask_fn(lambda b, h, pos, j: (j < sink) | (pos - j < window), 1, 1, n, n)(torch.arange(n))
+        full, partial = pool_mask(mask, bm, bn)
+        validate(from_block_masks(full, partial, bm, bn, window=window, sink=sink), n)
+        # One block that some row masks, listed as full, is refused.
+        if partial.any():
+            bad_full = full.clone()
+            qb, kb = partial[0, 0].nonzero()[0].tolist()
+            bad_full[0, 0, qb, kb] = True
+            bad_partial = partial.clone()
+            bad_partial[0, 0, qb, kb] = False
+            if (kb + 1) * bn - 1 <= qb * bm and (kb + 1) * bn <= n:  # causal-safe: only the window rejects it
+                with pytest.raises(ValueError, match="window/sink"):
+                    validate(from_block_masks(bad_full, bad_partial, bm, bn, window=window, sink=sink), n)

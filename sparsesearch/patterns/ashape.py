@@ -108,7 +108,7 @@ def density(params: AShapeParams, q_len: int, *, kv_len: int | None = None, bloc
 
 def main() -> None:
     params = AShapeParams(sink=4, local=8)
-    q_len = kv_len = 40
+    q_len = kv_len = 64
     print(f"{predicate(params).__name__}, q_len={q_len}")
     print(ascii_mask(predicate_grid(predicate(params), q_len, kv_len)))
     index = build_index(params, q_len, kv_len, block_m=16, block_n=16)

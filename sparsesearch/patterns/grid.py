@@ -191,8 +191,8 @@ def estimate_stride_phase(
 
 
 def main() -> None:
-    params = GridParams(stride=6, phase=2, use_hline=True, use_vline=True, use_slash=True, local=3)
-    q_len = kv_len = 40
+    params = GridParams(stride=40, phase=7, use_hline=True, use_vline=True, use_slash=False, local=3)
+    q_len = kv_len = 64
     print(f"{predicate(params).__name__}, q_len={q_len}")
     print(ascii_mask(predicate_grid(predicate(params), q_len, kv_len)))
     index = build_index(params, q_len, kv_len, block_m=16, block_n=16)

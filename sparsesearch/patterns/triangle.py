@@ -108,8 +108,8 @@ def density(params: TriangleParams, q_len: int, *, kv_len: int | None = None, bl
 
 
 def main() -> None:
-    params = TriangleParams(sink=4, window=6, last=8)
-    q_len = kv_len = 40
+    params = TriangleParams(sink=4, window=6, last=16)
+    q_len = kv_len = 64
     print(f"{predicate(params, kv_len).__name__}, q_len={q_len}, split_row={split_row(params, q_len)}")
     print(ascii_mask(predicate_grid(predicate(params, kv_len), q_len, kv_len)))
     index = build_index(params, q_len, kv_len, block_m=16, block_n=16)

@@ -18,7 +18,9 @@ per query block (rows at positions [p0, p1]) a slash offset d touches keys [p0 -
 key blocks (p0 - d) // block_n .. (p1 - d) // block_n (at most (block_m - 1) // block_n + 2 of them); these
 blocks are listed (full when wholly causal and inside kv_len, partial otherwise; window off, so they are
 computed whole). Verticals that are causal for the block's last row and fall in no listed block become
-gathered columns. Memory O(QB x slash_size x blocks-per-offset + QB x vertical_size): no [QB, KB] tensor.
+gathered columns. Working memory: the estimate O(Hq x last_q x Nk), a few bytes per block pair
+[B, H, QB, KB] (far below rows x budget: QB x KB = Nq x Nk / (block_m x block_n)) and the per-block vertical
+lists [B, H, QB, vertical_size]; never a token x token tensor.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, num_blocks
+from ..index import BlockIndex, num_blocks, pack_lists
 from ._common import (
-    ascii_blocks, ascii_mask, causal_entries, check_head_space, check_int, check_lengths, full_block,
-    index_entries, index_from_candidates, last_q_sums, query_block_bounds, top_ids,
+    ascii_blocks, ascii_mask, causal_entries, check_int, check_lengths, full_block,
+    index_entries, last_q_sums, query_block_bounds, top_ids,
 )
 
 NAME = "vertical_slash"
@@ -86,55 +88,43 @@ def estimate(
 def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) -> BlockIndex:
     """Block cover of the slash lines plus gathered vertical columns (see the module docstring).
 
-    ``meta["lines"]`` keeps the VSLines.
+    A key block kb (keys [k0, k1]) meets a slash offset d in query block m (rows at positions [p0, p1]) iff
+    d lies in [max(p0 - k1, 0), p1 - k0]; a prefix count of the selected offsets answers that for every
+    (m, kb) at once. Working memory: a few bytes per (B, H, QB, KB) block pair plus the per-block
+    vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines.
     """
     q_len, kv_len = lines.q_len, check_lengths(lines.q_len, lines.kv_len)
     device = lines.slash.device
+    batch, heads = lines.slash.shape[:2]
     kv_blocks = num_blocks(kv_len, block_n)
     p0, p1 = query_block_bounds(q_len, kv_len, block_m, device)
-    p0, p1 = p0[:, None, None], p1[:, None, None]  # [QB, 1, 1] against [B, H, 1, S, 1] below
-    # Slash offsets -> touched key blocks: [B, H, QB, S, per_offset].
-    offsets = lines.slash[:, :, None, :, None]
-    hi = p1 - offsets
-    lo = torch.clamp(p0 - offsets, min=0)
-    per_offset = (block_m - 1) // block_n + 2
-    step = torch.arange(per_offset, device=device)
-    ids = lo // block_n + step
-    valid = (hi >= 0) & (ids <= hi // block_n)
-    batch, heads, q_blocks = lines.slash.shape[0], lines.slash.shape[1], p0.shape[0]
-    ids = ids.reshape(batch, heads, q_blocks, -1)
-    valid = valid.reshape(batch, heads, q_blocks, -1)
-    first = p0[:, :, 0]  # [QB, 1]
-    is_full = full_block(ids, first, kv_len, block_n)
-    index = index_from_candidates(
-        ids, valid, is_full, kv_blocks, block_m, block_n, head_space=lines.head_space,
-        meta={"pattern": NAME, "lines": lines},
-    )
-    # Verticals: causal for the block's last row and not inside a listed block -> gathered columns.
-    listed = _listed_blocks(index, kv_blocks)  # [B, H, QB, L] ascending, padded with kv_blocks
+    p0, p1 = p0[:, None], p1[:, None]  # [QB, 1]
+    k0 = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :] * block_n
+    k1 = torch.clamp(k0 + block_n - 1, max=kv_len - 1)
+    lo = torch.clamp(p0 - k1, min=0)  # [QB, KB]: the offsets that reach block kb from query block m
+    hi = torch.clamp(p1 - k0, min=-1, max=kv_len - 1)
+    # below[..., x] = number of selected offsets < x, for x in [0, kv_len].
+    chosen = torch.zeros(batch, heads, kv_len, dtype=torch.int32, device=device).scatter_(-1, lines.slash, 1)
+    below = torch.nn.functional.pad(chosen.cumsum(-1, dtype=torch.int32), (1, 0))
+    reach = k0 <= p1
+    touched = (below[..., hi + 1] > below[..., torch.clamp(lo, max=kv_len)]) & reach  # [B, H, QB, KB]
+    is_full = full_block(k0 // block_n, p0, kv_len, block_n)
+    full_count, full_idx = pack_lists(touched & is_full)
+    partial_count, partial_idx = pack_lists(touched & ~is_full)
+    # Verticals: causal for the block's last row and not inside a touched block -> gathered columns.
+    q_blocks = p0.shape[0]
     vertical = lines.vertical[:, :, None, :].expand(batch, heads, q_blocks, -1)
-    col_block = (vertical // block_n).contiguous()
-    where = torch.searchsorted(listed, col_block).clamp(max=listed.shape[-1] - 1)
-    covered = listed.gather(-1, where) == col_block
-    keep = (vertical <= p1[:, :, 0]) & ~covered
-    keyed = torch.where(keep, vertical, torch.full_like(vertical, kv_len)).sort(-1).values
+    covered = touched.gather(-1, vertical // block_n)
+    keep = (vertical <= p1) & ~covered
+    keyed = torch.where(keep, vertical.to(torch.int32), kv_len).sort(-1).values
     col_count = keep.sum(-1, dtype=torch.int32)
     width = max(1, int(col_count.max().item()) if col_count.numel() else 1)
     col_idx = keyed[..., :width]
-    col_idx = torch.where(col_idx >= kv_len, torch.zeros_like(col_idx), col_idx).to(torch.int32).contiguous()
+    col_idx = torch.where(col_idx >= kv_len, 0, col_idx).contiguous()
     return BlockIndex(
-        index.full_count, index.full_idx, index.partial_count, index.partial_idx, block_m, block_n,
-        lines.head_space, col_count, col_idx, meta=index.meta,
+        full_count, full_idx, partial_count, partial_idx, block_m, block_n, lines.head_space,
+        col_count, col_idx, meta={"pattern": NAME, "lines": lines},
     )
-
-
-def _listed_blocks(index: BlockIndex, kv_blocks: int) -> torch.Tensor:
-    """Union of the full and partial lists per query block, ascending, padded with kv_blocks: int64 [B, H, QB, L]."""
-    parts = []
-    for count, idx in ((index.full_count, index.full_idx), (index.partial_count, index.partial_idx)):
-        valid = torch.arange(idx.shape[-1], device=idx.device) < count.unsqueeze(-1)
-        parts.append(torch.where(valid, idx.long(), torch.full_like(idx, kv_blocks, dtype=torch.int64)))
-    return torch.cat(parts, dim=-1).sort(-1).values.contiguous()
 
 
 def build_index(
