@@ -122,6 +122,9 @@ def run(args) -> list[dict]:
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # Every (length, mask_mod) pair compiles anew; past dynamo's default limit of 8 recompiles flex
+        # falls back to its eager path, which materialises the scores (2 TiB at 128K).
+        torch._dynamo.config.cache_size_limit = 64
         flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for n in args.lengths:
