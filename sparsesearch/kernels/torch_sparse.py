@@ -17,6 +17,7 @@ from ..index import BlockIndex, num_blocks
 from ._common import check_qkv
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
+DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
 
 
 def block_sparse_attention_torch(
@@ -65,9 +66,17 @@ def block_sparse_attention_torch(
     offset = kv_len - q_len
     widths = (index.full_idx.shape[-1] + index.partial_idx.shape[-1]) * bn + (0 if index.col_idx is None else index.col_idx.shape[-1])
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * widths))
+    # Wide lists (most keys listed): a masked matmul over all keys beats gathering them block by block.
+    wide = widths >= DENSE_SHARE * kv_len
+    if wide:
+        k_sel, v_sel = k.index_select(1, kv_ids.flatten()), v.index_select(1, kv_ids.flatten())  # [B, S, Nk, D]
+        rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * kv_len))
     for start in range(0, q_blocks, rows_per_chunk):
         stop = min(q_blocks, start + rows_per_chunk)
-        _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse)
+        if wide:
+            _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, offset, scale, out, lse)
+        else:
+            _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse)
     return out, lse
 
 
@@ -126,3 +135,48 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     heads_flat = q_ids.reshape(-1)
     out[:, heads_flat, row0:row1] = res[..., :n_rows, :].reshape(batch, -1, n_rows, dim).to(out.dtype)
     lse[:, heads_flat, row0:row1] = row_lse[..., :n_rows].reshape(batch, -1, n_rows)
+
+
+def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, offset, scale, out, lse):
+    """Query blocks [start, stop) against every key with the index's admitted set as a mask: (rows x Nk)
+    scores per head, the same size as the oracle's chunks. k_sel/v_sel [B, S, Nk, D]: each served query
+    head's KV head, in q_ids order."""
+    batch, dim = q.shape[0], q.shape[-1]
+    bm, bn = index.block_m, index.block_n
+    rows_, per_row = q_ids.shape
+    sl = slice(start, stop)
+    n_chunk = stop - start
+    kb_total = num_blocks(kv_len, bn)
+    kb = torch.arange(kv_len, device=q.device) // bn
+    full, full_ok = _lists(index.full_count[:, :, sl], index.full_idx[:, :, sl], kb_total)
+    part, part_ok = _lists(index.partial_count[:, :, sl], index.partial_idx[:, :, sl], kb_total)
+    # Block-level membership [B, R, C, KB+1] (slot KB+... catches padding), then per key [B, R, C, Nk].
+    in_full = torch.zeros(batch, rows_, n_chunk, kb_total + 1, dtype=torch.bool, device=q.device)
+    in_full.scatter_(-1, full, full_ok)
+    in_part = torch.zeros_like(in_full)
+    in_part.scatter_(-1, part, part_ok)
+    key_full, key_part = in_full[..., kb], in_part[..., kb]
+    row0, row1 = start * bm, min(q_len, stop * bm)
+    pos = torch.arange(row0, stop * bm, device=q.device) + offset  # [C*bm]
+    cols = torch.arange(kv_len, device=q.device)
+    causal = cols[None, :] <= pos[:, None]  # [C*bm, Nk]
+    token = causal
+    if index.window >= 0:
+        token = causal & (((pos[:, None] - cols[None, :]) < index.window) | (cols[None, :] < index.sink))
+    expand = lambda m: m.repeat_interleave(bm, dim=2)  # [B, R, C, Nk] -> [B, R, C*bm, Nk]
+    ok = (expand(key_full) & causal) | (expand(key_part) & token)
+    if index.col_count is not None:
+        cidx, c_ok = _lists(index.col_count[:, :, sl], index.col_idx[:, :, sl], kv_len)
+        in_col = torch.zeros(batch, rows_, n_chunk, kv_len + 1, dtype=torch.bool, device=q.device)
+        in_col.scatter_(-1, cidx, c_ok)
+        ok = ok | (expand(in_col[..., :kv_len]) & causal)
+    ok = ok[:, :, None].expand(batch, rows_, per_row, *ok.shape[2:]).reshape(batch, rows_ * per_row, -1, kv_len)
+    heads_flat = q_ids.reshape(-1)
+    n_rows = row1 - row0
+    q_rows = q[:, heads_flat, row0:row1].float()
+    scores = (q_rows @ k_sel.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~ok[:, :, :n_rows], float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+    out[:, heads_flat, row0:row1] = (probs @ v_sel.float()).to(out.dtype)
+    lse[:, heads_flat, row0:row1] = row_lse

@@ -81,20 +81,10 @@ def _attend_padded(runner: Runner, layer, q, k, v, scale, runs) -> torch.Tensor:
 
 
 def model_info(model) -> ModelInfo:
-    """ModelInfo read off a loaded model's (text) config; id/revision come from the loader when known."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    return ModelInfo(
-        id=getattr(config, "_name_or_path", "") or "",
-        revision=getattr(model, "_sparsesearch_revision", "") or "",
-        architecture=(config.architectures or [type(model).__name__])[0],
-        num_layers=text.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-    )
+    """ModelInfo read off a loaded model (the same facts artifacts record: sparsesearch.models)."""
+    from ..models import info_from_model
+
+    return info_from_model(model)
 
 
 def _attention_modules(model, num_layers: int):

@@ -28,6 +28,9 @@ class Runner:
     def __init__(self, plan: Plan):
         self.plan = plan
         self._static: dict[tuple, BlockIndex] = {}
+        # When a dict, every sparse call also runs dense SDPA on the same q/k/v and appends the relative
+        # output error under the layer id: the per-layer fidelity report of calibrate.
+        self.audit: dict[int, list[float]] | None = None
 
     def attend(self, layer: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         batch, q_heads, n, dim = q.shape
@@ -37,37 +40,37 @@ class Runner:
         lse = torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device)
         if layer.kind == "triangle":
             self._triangle(layer.triangle, q, k, v, scale, out, lse)
+            self._audit(layer, q, k, v, scale, out)
             return out
         group = q_heads // k.shape[1]
         covered = set()
         for g in layer.groups:
             index = self._index(g, q, k)
             heads = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-            _sparse(q, k, v, index, scale, heads, out, lse)
+            sparse_attend(q, k, v, index, scale, heads, out, lse)
             covered.update(_query_heads(g.heads, self.plan.head_space, group))
         rest = [h for h in range(q_heads) if h not in covered]
         if rest:
             _dense_heads(q, k, v, rest, group, scale, out)
+        self._audit(layer, q, k, v, scale, out)
         return out
 
+    def _audit(self, layer: LayerPlan, q, k, v, scale, out) -> None:
+        if self.audit is None:
+            return
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+        self.audit.setdefault(layer.layer, []).append(err)
+
     def _index(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor) -> BlockIndex:
-        space, n, batch = self.plan.head_space, q.shape[2], q.shape[0]
         if g.pattern in STATIC:
-            key = (g.pattern, g.params, n, batch, len(g.heads), g.block_m, g.block_n, space, q.device)
+            key = (g.pattern, g.params, q.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, self.plan.head_space, q.device)
             if key not in self._static:
                 if len(self._static) >= CACHE_LIMIT:
                     self._static.pop(next(iter(self._static)))
-                self._static[key] = STATIC[g.pattern].build_index(
-                    g.params, n, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n, head_space=space, device=q.device
-                )
+                self._static[key] = build_group_index(g, q, k, self.plan.head_space)
             return self._static[key]
-        group = q.shape[1] // k.shape[1]
-        q_ids = torch.tensor(_query_heads(g.heads, space, group), device=q.device)
-        # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
-        kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
-        return DYNAMIC[g.pattern].build_index(
-            g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space, block_m=g.block_m, block_n=g.block_n
-        )
+        return build_group_index(g, q, k, self.plan.head_space)
 
     def _triangle(self, params, q, k, v, scale, out, lse) -> None:
         n, kv_heads = q.shape[2], k.shape[1]
@@ -91,13 +94,31 @@ class Runner:
         out[:, :, n - rows :] = tail.to(out.dtype)
 
 
+def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
+    """The index one head group runs with: static patterns from the shape, dynamic ones estimated from
+    the group's own q/k heads (q [B, Hq, N, D], k [B, Hkv, N, D]; the result has len(g.heads) heads)."""
+    n, batch = q.shape[2], q.shape[0]
+    if g.pattern in STATIC:
+        return STATIC[g.pattern].build_index(
+            g.params, n, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n, head_space=space, device=q.device
+        )
+    group = q.shape[1] // k.shape[1]
+    q_ids = torch.tensor(_query_heads(g.heads, space, group), device=q.device)
+    # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
+    kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
+    return DYNAMIC[g.pattern].build_index(
+        g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space, block_m=g.block_m, block_n=g.block_n
+    )
+
+
 def _query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
     if space == "query":
         return list(heads)
     return [h * group + i for h in heads for i in range(group)]
 
 
-def _sparse(q, k, v, index, scale, heads, out, lse) -> None:
+def sparse_attend(q, k, v, index, scale, heads, out, lse) -> None:
+    """One launch over the heads of `heads`: Triton on CUDA, the index-driven torch backend on CPU."""
     if q.is_cuda:
         from ..kernels import block_sparse_attention
 

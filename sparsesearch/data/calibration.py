@@ -1,0 +1,141 @@
+"""load_calibration / held_out: one entry point for file and synthetic calibration data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._text import as_tokenizer
+from .files import MIN_TOKENS, open_rows, seeded_order, usable_samples
+from .sample import Sample
+from .synthetic import GENERATORS
+
+HELD_OUT_OFFSET = 10_000  # held_out(seed) generates synthetic sets with seed + HELD_OUT_OFFSET
+_CHAT_SETS = ("synthetic:kv-retrieval", "synthetic:passkey")
+
+
+def _check(max_tokens: int, samples: int = 1) -> None:
+    if max_tokens < MIN_TOKENS:
+        raise ValueError(f"max_tokens must be >= {MIN_TOKENS}, got {max_tokens}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+
+
+def _generate(spec: str, tok, *, max_tokens: int, seed: int, chat: bool, frame_tokens, edit_rate) -> Sample:
+    generator = GENERATORS.get(spec)
+    if generator is None:
+        raise ValueError(f"unknown synthetic set '{spec}'; choose from {', '.join(GENERATORS)}")
+    if spec in _CHAT_SETS:
+        return generator(tok, max_tokens=max_tokens, seed=seed, chat=chat)
+    return generator(tok, max_tokens=max_tokens, seed=seed, frame_tokens=frame_tokens, edit_rate=edit_rate)
+
+
+def _resolve_path(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ValueError(f"calibration file not found: {path}")
+    return path.resolve()
+
+
+def load_calibration(
+    spec: str,
+    tokenizer,
+    *,
+    max_tokens: int,
+    samples: int = 1,
+    seed: int = 0,
+    chat: bool = True,
+    frame_tokens: int | None = None,
+    edit_rate: float = 0.03,
+) -> list[Sample]:
+    """Calibration samples from a file, a ``datasets`` directory or a synthetic set.
+
+    spec:         ``synthetic:kv-retrieval`` | ``synthetic:passkey`` | ``synthetic:frames`` |
+                  ``synthetic:mixed`` | a ``.jsonl`` / ``.parquet`` file | a save_to_disk directory.
+    tokenizer:    a transformers tokenizer (or a processor: its ``.tokenizer`` is used).
+    max_tokens:   length cap per sample, >= 64. Files keep each row's first ``max_tokens`` tokens and skip
+                  rows under 64 tokens; synthetic samples fill it (<= max_tokens, >= 90% of it).
+    samples:      how many samples, >= 1. Synthetic sample i uses seed ``seed + i``; files take the first
+                  ``samples`` usable rows in a ``random.Random(seed)`` shuffle of the rows.
+    chat:         kv-retrieval and passkey only: wrap the prompt in the tokenizer's chat template when it
+                  has one (``Sample.meta["chat"]`` says whether it was). Rows with ``messages`` always use
+                  the template when there is one.
+    frame_tokens: frames and mixed only: tokens per frame (the frame stride); default chosen from
+                  max_tokens. edit_rate: share of a frame's tokens replaced per frame.
+    Returns a list of ``samples`` Samples; the same arguments always give the same ids.
+    Raises ValueError naming the bad value: unknown synthetic set, missing file, unknown columns, bad
+    max_tokens / samples, a file with too few usable rows.
+    """
+    _check(max_tokens, samples)
+    tok = as_tokenizer(tokenizer)
+    if spec.startswith("synthetic:"):
+        options = dict(chat=chat, frame_tokens=frame_tokens, edit_rate=edit_rate)
+        return [_generate(spec, tok, max_tokens=max_tokens, seed=seed + i, **options) for i in range(samples)]
+    path = _resolve_path(spec)
+    rows = open_rows(path)
+    found = usable_samples(tok, rows, seeded_order(len(rows), seed), max_tokens=max_tokens, source=str(path))
+    out = [sample for _, sample in zip(range(samples), found)]
+    if not out:
+        raise ValueError(f"no sample in {path} has >= {MIN_TOKENS} tokens")
+    if len(out) < samples:
+        raise ValueError(
+            f"only {len(out)} rows of {path} have >= {MIN_TOKENS} tokens; asked for samples={samples}"
+        )
+    for sample in out:
+        sample.meta["seed"] = seed
+    return out
+
+
+def held_out(
+    spec: str,
+    tokenizer,
+    *,
+    max_tokens: int,
+    seed: int = 0,
+    chat: bool = True,
+    frame_tokens: int | None = None,
+    edit_rate: float = 0.03,
+) -> Sample:
+    """One evaluation sample that ``load_calibration(spec, ..., seed=seed)`` does not return.
+
+    Synthetic sets: generated with seed ``seed + HELD_OUT_OFFSET`` (10_000), disjoint from calibration
+    samples seed .. seed + samples - 1 while samples <= 10_000. Files: the *last* usable row of the same
+    seeded shuffle that calibration reads from the front, so it differs from every calibration row as long
+    as the file has more usable rows than calibration took.
+    """
+    _check(max_tokens)
+    tok = as_tokenizer(tokenizer)
+    if spec.startswith("synthetic:"):
+        sample = _generate(
+            spec, tok, max_tokens=max_tokens, seed=seed + HELD_OUT_OFFSET, chat=chat,
+            frame_tokens=frame_tokens, edit_rate=edit_rate,
+        )
+        sample.meta["held_out"] = True
+        return sample
+    path = _resolve_path(spec)
+    rows = open_rows(path)
+    order = seeded_order(len(rows), seed)[::-1]
+    sample = next(usable_samples(tok, rows, order, max_tokens=max_tokens, source=str(path)), None)
+    if sample is None:
+        raise ValueError(f"no sample in {path} has >= {MIN_TOKENS} tokens")
+    sample.meta.update(seed=seed, held_out=True)
+    return sample
+
+
+_STRIP = " \t\r\n\"'`"
+
+
+def retrieval_correct(generated_text: str, sample: Sample) -> bool:
+    """Whether a generation starts with the sample's answer (case-insensitive), after stripping leading
+    whitespace and quotes; the answer must end there or be followed by a non-alphanumeric character, so
+    "71432." is right and "714329" is wrong."""
+    if sample.answer is None:
+        raise ValueError(
+            f"sample from {sample.source or 'unknown source'} has no answer; retrieval_correct needs a "
+            "retrieval sample (synthetic:kv-retrieval or synthetic:passkey)"
+        )
+    got = generated_text.lstrip(_STRIP).casefold()
+    want = sample.answer.strip(_STRIP).casefold()
+    if not want or not got.startswith(want):
+        return False
+    rest = got[len(want) :]
+    return not rest or not rest[0].isalnum()

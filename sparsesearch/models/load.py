@@ -1,0 +1,90 @@
+"""Load a model (weights, tokenizer or processor) for a spec resolved by ``resolve.py``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from .info import ModelInfo
+from .resolve import VLM_ARCHITECTURES, ResolvedModel, resolve
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+):
+    """Load ``spec`` (directory, hub id from the cache, .gguf file or ``smollm2-135m``) in eval mode.
+
+    dtype: "auto" keeps the checkpoint's dtype on CUDA (bfloat16 for GGUF, which is dequantised) and
+    uses float32 on CPU; or one of "float32", "bfloat16", "float16". device: "auto" (CUDA when
+    available), "cpu" or "cuda". Returns ``(model, tokenizer_or_processor, info)``: a processor for VLMs
+    when the directory has one, else a tokenizer, else None (a directory without tokenizer files);
+    ``info.dtype`` is the dtype actually loaded.
+    """
+    if dtype not in ("auto", *DTYPES):
+        raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
+    if device not in DEVICES:
+        raise ValueError(f"device '{device}' is not one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    resolved = resolve(spec, trust_remote_code=trust_remote_code)
+    torch_dtype = _choose_dtype(dtype, device, resolved)
+
+    import transformers
+
+    model_class = getattr(transformers, resolved.info.architecture)
+    kwargs = dict(
+        config=resolved.config,  # already read: saves re-parsing it (≈3 s for a GGUF)
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        local_files_only=True,
+    )
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    if device != "cpu":
+        kwargs["device_map"] = device  # weights go straight to the GPU, no host-side copy of a 7B model
+    model = model_class.from_pretrained(resolved.path, **kwargs).eval()
+    tokenizer = _load_tokenizer(resolved, trust_remote_code)
+    info: ModelInfo = replace(resolved.info, dtype=str(model.dtype).removeprefix("torch."))
+    return model, tokenizer, info
+
+
+def _choose_dtype(dtype: str, device: str, resolved: ResolvedModel) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32  # half-precision matmuls are slow on CPU and SDPA's CPU kernels are fp32-first
+    if resolved.gguf_file:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return DTYPES.get(resolved.info.dtype, torch.bfloat16)
+
+
+def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
+    from transformers import AutoProcessor, AutoTokenizer
+
+    if resolved.gguf_file:
+        return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, local_files_only=True)
+    if not any((resolved.path / name).is_file() for name in _TOKENIZER_FILES):
+        logger.warning("model '%s' has no tokenizer files; returning no tokenizer", resolved.spec)
+        return None
+    common = dict(trust_remote_code=trust_remote_code, local_files_only=True)
+    if resolved.info.architecture in VLM_ARCHITECTURES:
+        try:
+            return AutoProcessor.from_pretrained(resolved.path, **common)
+        except (OSError, ValueError, TypeError) as exc:  # a text-only dump of a VLM: fall back to its tokenizer
+            logger.warning("model '%s': no processor (%s); loading the tokenizer only", resolved.spec, exc)
+    return AutoTokenizer.from_pretrained(resolved.path, **common)
