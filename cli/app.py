@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import check
+from . import check, diff, export, import_minference, inspect, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -14,6 +14,11 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("check")(check.check)
+app.command("inspect")(inspect.inspect)
+app.command("validate")(validate.validate)
+app.command("export")(export.export)
+app.command("import-minference")(import_minference.import_minference)
+app.command("diff")(diff.diff)
 
 
 @app.callback()

@@ -13,6 +13,8 @@ import pyarrow as pa
 
 BOUNDARIES = ("none", "k", "q", "2d")
 ALL_MODALITIES = "all"  # text-only models and intra-pattern rows that apply to every token
+# A row's identity: at most one row per key, and the order rows are stored in.
+HEADS_KEY = ("layer", "head", "q_modality", "k_modality")
 
 # Parameter columns: every field of every pattern's params dataclass, with its arrow type.
 PARAM_COLUMNS: dict[str, pa.DataType] = {

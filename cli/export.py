@@ -1,0 +1,99 @@
+"""`sparsesearch export`: write an artifact in another tool's format (one file at --out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._shared import ArtifactArg
+from .common import BadInput, JsonOpt, err_console, exits_cleanly, print_json
+
+FORMATS = ("minference", "flex", "duo", "json")
+
+
+@exits_cleanly
+def export(
+    artifact: ArtifactArg,
+    fmt: Annotated[str, typer.Option("--format", help="minference (MInference / Qwen-1M JSON), flex (FlexAttention block lists, .safetensors), duo (DuoAttention TSV) or json.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="File to write (never a directory); replaced atomically.", show_default=False)],
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex: sequence length the block lists are built for (static patterns).")] = None,
+    block: Annotated[int, typer.Option("--block", help="flex: FlexAttention tile size (16, 32, 64 or 128); which keys are admitted follows the artifact's own block sizes.")] = 128,
+    qk: Annotated[Optional[Path], typer.Option("--qk", help="flex: .safetensors with q.{layer} [B,Hq,N,D] and k.{layer} [B,Hkv,N,D] for dynamic patterns.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Export an artifact to MInference JSON, FlexAttention block lists, DuoAttention TSV or plain JSON.
+
+    flex writes per-layer kv_num_blocks / kv_indices / full_kv_* (+ mask tables) as layers.{L}.{name};
+    sparsesearch.export.flex.block_mask_from_tensors(load_flex(FILE)[L]) turns one layer into a BlockMask.
+
+    Example: sparsesearch export runs/llama-3.1-8b --format minference --out llama_minference.json
+    """
+    from sparsesearch.artifacts import load_artifact, sha256_file
+
+    if fmt not in FORMATS:
+        raise BadInput(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    from sparsesearch.export._common import check_output_file
+
+    check_output_file(out)
+    art = load_artifact(artifact)
+    if fmt == "minference":
+        from sparsesearch.export.minference import write_minference
+
+        path = write_minference(art, out)
+    elif fmt == "duo":
+        from sparsesearch.export.duo import write_duo
+
+        path = write_duo(art, out)
+    elif fmt == "json":
+        from sparsesearch.export.json_dump import write_json
+
+        path = write_json(art, out)
+    else:
+        path = _export_flex(art, out, tokens, block, qk)
+    digest = sha256_file(path)
+    if json_out:
+        print_json({"format": fmt, "out": str(path), "sha256": digest})
+    else:
+        err_console.print(f"wrote {fmt} export of {art.path} to {path}", highlight=False)
+
+
+def _export_flex(art, out: Path, tokens: Optional[int], block: int, qk: Optional[Path]) -> Path:
+    from sparsesearch.export.flex import flex_tensors, write_flex
+
+    if (tokens is None) == (qk is None):
+        raise BadInput("--format flex needs exactly one of --tokens N (static patterns) or --qk FILE (any pattern)")
+    if tokens is not None and tokens < 1:
+        raise BadInput(f"--tokens must be >= 1, got {tokens}")
+    layers = art.manifest["model"]["num_layers"]
+    inputs = _load_qk(qk, layers) if qk is not None else None
+    per_layer = {}
+    with err_console.status("building block lists") as status:
+        for layer in range(layers):
+            status.update(f"building block lists: layer {layer + 1}/{layers}")
+            if inputs is not None:
+                q, k = inputs[layer]
+                per_layer[layer] = flex_tensors(art, layer, q=q, k=k, block=block)
+            else:
+                per_layer[layer] = flex_tensors(art, layer, q_len=tokens, block=block)
+    meta = {"artifact": art.path.name, "heads_sha256": art.manifest["files"].get("heads.parquet", "")}
+    return write_flex(per_layer, out, metadata=meta)
+
+
+def _load_qk(path: Path, layers: int) -> list:
+    if not path.is_file():
+        raise BadInput(f"--qk {path}: no such file")
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors has its own error types for damaged files
+        raise BadInput(f"--qk {path.name}: cannot read safetensors ({' '.join(str(exc).split())})") from None
+    out = []
+    for layer in range(layers):
+        for name in (f"q.{layer}", f"k.{layer}"):
+            if name not in tensors:
+                raise BadInput(f"--qk {path.name} has no tensor {name!r} (need q.{{layer}} and k.{{layer}} for every layer)")
+        out.append((tensors[f"q.{layer}"], tensors[f"k.{layer}"]))
+    return out

@@ -1,0 +1,65 @@
+"""`sparsesearch inspect`: what an artifact holds — model, provenance, pattern mix per layer, density, scores."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from ._shared import ArtifactArg
+from .common import JsonOpt, exits_cleanly, out_console, print_json
+
+
+def _num(value, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+@exits_cleanly
+def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
+    """Summarise an artifact: model, provenance, methods, per-layer pattern counts, mean density and scores.
+
+    Example: sparsesearch inspect runs/llama-3.1-8b --json
+    """
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch.artifacts.summary import summarize
+
+    summary = summarize(load_artifact(artifact))
+    if json_out:
+        print_json(summary)
+        return
+    model, prov = summary["model"], summary["provenance"]
+    out_console.print(
+        f"[bold]{summary['path']}[/bold]  schema v{summary['schema_version']}, created {summary['created']} by "
+        f"{summary['producer']['name']} {summary['producer']['version']}"
+        + (f" ({summary['producer']['git'][:12]})" if summary["producer"]["git"] else ""),
+        highlight=False,
+    )
+    out_console.print(
+        f"model {model['id']} ({model['architecture']}, {model['num_layers']} layers, {model['num_heads']}/{model['num_kv_heads']} "
+        f"heads, d={model['head_dim']}, {model['dtype']}), rows per {summary['head_index_space']} head",
+        highlight=False,
+    )
+    source = f", source {prov['source']}" if prov["source"] else ""
+    out_console.print(f"provenance {prov['kind']}{source}; methods: {', '.join(summary['methods']) or 'none'}", highlight=False)
+    tri = summary["methods"].get("trianglemix")
+    if tri and tri.get("start_layer") is not None:
+        out_console.print(
+            f"TriangleMix: layers {tri['start_layer']} and deeper run triangle(sink {tri['sink']}, window {tri['window']}, "
+            f"last {tri['last']}) in every head, whatever their rows say",
+            highlight=False,
+        )
+    if summary["metrics"]:
+        parts = [f"{name} {_num(s['mean'])} (min {_num(s['min'])}, max {_num(s['max'])})" for name, s in summary["metrics"].items() if s]
+        if parts:
+            out_console.print("mean " + "; ".join(parts), highlight=False)
+    patterns = list(summary["patterns"])
+    table = Table(title=f"pattern mix per layer ({summary['rows']} rows)")
+    table.add_column("layer", justify="right")
+    for name in patterns:
+        table.add_column(name, justify="right")
+    table.add_column("mean density", justify="right")
+    table.add_column("mean score", justify="right")
+    for layer in summary["layers"]:
+        table.add_row(
+            str(layer["layer"]), *(str(layer["patterns"].get(p, 0)) for p in patterns),
+            _num(layer["mean_density"]), _num(layer["mean_score"]),
+        )
+    out_console.print(table)

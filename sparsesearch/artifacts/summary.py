@@ -1,0 +1,56 @@
+"""Summaries of a loaded artifact: what `sparsesearch inspect` shows (plain data, rendered by the CLI)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from statistics import fmean
+
+from .io import Artifact
+from .tables import HEADS_FILE
+
+METRICS = ("density", "recall", "output_error", "latency_ms", "score")
+
+
+def _stats(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"count": len(values), "min": min(values), "mean": fmean(values), "max": max(values)}
+
+
+def summarize(artifact: Artifact) -> dict:
+    """Model, provenance, methods, files, and per-layer pattern mix with mean density and score."""
+    m = artifact.manifest
+    model = m["model"]
+    rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
+    patterns = sorted({r["pattern"] for r in rows})
+    layers = []
+    for layer in range(model["num_layers"]):
+        mine = [r for r in rows if r["layer"] == layer]
+        counts = Counter(r["pattern"] for r in mine)
+        densities = [r["density"] for r in mine if r["density"] is not None]
+        scores = [r["score"] for r in mine if r["score"] is not None]
+        layers.append({
+            "layer": layer,
+            "rows": len(mine),
+            "patterns": {p: counts.get(p, 0) for p in patterns},
+            "mean_density": fmean(densities) if densities else None,
+            "mean_score": fmean(scores) if scores else None,
+        })
+    return {
+        "path": str(artifact.path),
+        "schema_version": m["schema_version"],
+        "created": m["created"],
+        "producer": m["producer"],
+        "model": {k: model[k] for k in ("id", "revision", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")},
+        "head_index_space": m["head_index_space"],
+        "provenance": m["provenance"],
+        "methods": {name: entry for name, entry in m["methods"].items() if entry is not None},
+        "calibration": m["calibration"],
+        "files": m["files"],
+        "rows": len(rows),
+        "patterns": dict(sorted(Counter(r["pattern"] for r in rows).items())),
+        "boundaries": dict(sorted(Counter(r["boundary"] for r in rows).items())),
+        "modality_pairs": dict(sorted(Counter(f"{r['q_modality']}->{r['k_modality']}" for r in rows).items())),
+        "metrics": {name: _stats([r[name] for r in rows if r[name] is not None]) for name in METRICS},
+        "layers": layers,
+    }

@@ -1,0 +1,99 @@
+"""Shared by the exporters: text-only row lookup and atomic single-file output.
+
+Exporters write exactly one file, at the path the user chose: never a directory, never a generated name
+elsewhere. The bytes go to a temporary file in the same directory first and are renamed into place, so a
+failure leaves the old file (or nothing) behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ..artifacts.columns import ALL_MODALITIES, row_from_params
+from ..artifacts.io import Artifact
+from ..artifacts.tables import row_name
+
+SYNTH_BLOCK = 64  # block size of rows the artifact implies but does not store (triangle layers, missing heads)
+
+
+def implied_row(layer: int, head: int, pattern: str, params) -> dict:
+    """A heads row the artifact means without storing it (no measurements, no score)."""
+    return {
+        "layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES,
+        "boundary": "none", "pattern": pattern, **row_from_params(params), "block_m": SYNTH_BLOCK,
+        "block_n": SYNTH_BLOCK, "density": None, "recall": None, "output_error": None, "latency_ms": None,
+        "score": None,
+    }
+
+
+def effective_rows(artifact: Artifact, fmt: str, *, modality_rows: bool = False) -> tuple[dict[tuple[int, int], dict], list[dict]]:
+    """What the runtime runs per (layer, head) of the artifact's head space, as text-only rows, plus the
+    modality-pair rows.
+
+    Same reading as ``runtime.plan.build_plan``: layers at or past ``methods.trianglemix.start_layer`` run
+    triangle(sink, window, last) in every head whatever their rows say; a head with no text row runs dense.
+    Formats without modalities cannot say what a modality-pair row means: with ``modality_rows=False`` any
+    such row (outside TriangleMix layers) is an error naming it; with True they are returned separately.
+    """
+    from sparsesearch.patterns import PARAMS
+
+    manifest = artifact.manifest
+    model = manifest["model"]
+    heads = model["num_heads"] if manifest["head_index_space"] == "query" else model["num_kv_heads"]
+    tri = manifest["methods"].get("trianglemix")
+    start = tri["start_layer"] if tri is not None and tri.get("start_layer") is not None else model["num_layers"]
+    text, pairs = {}, []
+    for row in artifact.head_rows():
+        if row["layer"] >= start:
+            continue
+        if row["q_modality"] != ALL_MODALITIES or row["k_modality"] != ALL_MODALITIES:
+            if not modality_rows:
+                raise ValueError(
+                    f"the {fmt} format carries text-only rows (q_modality == k_modality == 'all'); "
+                    f"the artifact has a modality-pair row ({row_name(row)})"
+                )
+            pairs.append(row)
+            continue
+        text[(row["layer"], row["head"])] = row
+    out = {}
+    for layer in range(model["num_layers"]):
+        for head in range(heads):
+            if layer >= start:
+                params = PARAMS["triangle"](sink=tri["sink"], window=tri["window"], last=tri["last"])
+                out[(layer, head)] = implied_row(layer, head, "triangle", params)
+            else:
+                out[(layer, head)] = text.get((layer, head)) or implied_row(layer, head, "dense", PARAMS["dense"]())
+    return out, pairs
+
+
+def check_output_file(out) -> Path:
+    """The output path of a single-file export, refused when it is a directory (or names one)."""
+    path = Path(out)
+    if str(out).endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the path of the file to write")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ValueError(f"--out {out}: {path.parent} is not a directory")
+    return path
+
+
+def write_file_atomic(out, data: bytes) -> Path:
+    """Write ``data`` to ``out`` atomically (temporary file in the same directory, then rename)."""
+    path = check_output_file(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
