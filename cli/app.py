@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import check, diff, export, import_minference, inspect, validate
+from . import calibrate, check, diff, export, import_minference, inspect, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -13,6 +13,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command("calibrate")(calibrate.calibrate)
 app.command("check")(check.check)
 app.command("inspect")(inspect.inspect)
 app.command("validate")(validate.validate)

@@ -131,3 +131,25 @@ def remove(model) -> None:
     if previous is not None:
         model.set_attn_implementation(previous)
         delattr(model, _PREVIOUS)
+
+
+def runner_of(model) -> Runner | None:
+    """The Runner ``apply`` attached to this model (None when no artifact is applied)."""
+    for module in model.modules():
+        runner = getattr(module, _RUNNER, None)
+        if runner is not None:
+            return runner
+    return None
+
+
+def load_model(spec: str, *, artifact=None, min_tokens: int = DEFAULT_MIN_TOKENS, **kwargs):
+    """``sparsesearch.models.load_model`` plus, when ``artifact`` (a path) is given, its validation against
+    the model and ``apply``. Returns (model, tokenizer, info, plan or None)."""
+    from ..artifacts import load_artifact
+    from ..models import load_model as load
+
+    model, tokenizer, info = load(spec, **kwargs)
+    if artifact is None:
+        return model, tokenizer, info, None
+    loaded = load_artifact(artifact, model_info=info)
+    return model, tokenizer, info, apply(model, loaded, min_tokens=min_tokens)

@@ -1,0 +1,93 @@
+"""`sparsesearch calibrate`: the per-head pattern search (MMInference Alg. 4) -> an artifact."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+
+
+@exits_cleanly
+def calibrate(
+    model: Annotated[str, typer.Option(help="smollm2-135m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
+    data: Annotated[str, typer.Option(help="jsonl/parquet file, a saved HF dataset dir, or synthetic:kv-retrieval|passkey|frames|mixed.")] = "synthetic:kv-retrieval",
+    search_space: Annotated[Optional[str], typer.Option(help="Bundled name or a JSON file (default: mminference, paper 000 Table 3).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Calibration length in tokens.")] = 4096,
+    samples: Annotated[int, typer.Option(help="Calibration samples (scores are averaged).")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic data and sample order.")] = 0,
+    out: Annotated[Path, typer.Option(help="Artifact directory to write (a PNG map is written beside it).")] = Path("artifacts/smollm2-135m"),
+    head_space: Annotated[str, typer.Option(help="kv: one pattern per KV head (GQA-native); query: per query head.")] = "kv",
+    objective: Annotated[str, typer.Option(help="output_error (relative L2 of the attention output) or mass_recall.")] = "output_error",
+    eval_data: Annotated[str, typer.Option(help="Held-out data for the fidelity report ('' to skip).")] = "synthetic:passkey",
+    eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
+    min_tokens: Annotated[int, typer.Option(help="Runtime: prompts shorter than this run dense.")] = 1024,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Search the sparse pattern of every layer and head and write it as an artifact.
+
+    Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
+    """
+    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run
+
+    cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
+                          seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
+                          resume=resume, eval_data=eval_data or None, eval_samples=eval_samples, min_tokens=min_tokens,
+                          trust_remote_code=trust_remote_code)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=json_out) as bar:
+        stage = bar.add_task("starting", total=None)
+        layers = bar.add_task("layers", total=None, visible=False)
+
+        def on_stage(name: str) -> None:
+            bar.update(stage, description=name)
+
+        def on_layer(sample: int, layer: int, total: int) -> None:
+            bar.update(layers, visible=True, total=total, completed=layer + 1, description=f"sample {sample + 1} layers")
+
+        result = run(cfg, Hooks(stage=on_stage, layer=on_layer))
+    summary = {
+        "artifact": str(result.path), "map_png": str(result.map_png) if result.map_png else None,
+        "patterns": dict(Counter(r["pattern"] for r in result.rows if r["q_modality"] == "all")),
+        "mean_density": round(sum(r["density"] for r in result.rows) / max(1, len(result.rows)), 4),
+        "timings_s": {k: round(v, 2) for k, v in result.timings.items()}, "fidelity": result.fidelity,
+    }
+    if json_out:
+        print_json(summary)
+        return
+    _render(result, summary)
+
+
+def _render(result, summary) -> None:
+    table = Table(title=f"calibrate → {summary['artifact']}")
+    table.add_column("layer", justify="right")
+    table.add_column("patterns")
+    table.add_column("density", justify="right")
+    table.add_column("output error", justify="right")
+    fid = (result.fidelity or {}).get("layer_output_error", {})
+    table.add_column("held-out error", justify="right")
+    layers = sorted({r["layer"] for r in result.rows})
+    for layer in layers:
+        rows = [r for r in result.rows if r["layer"] == layer and r["q_modality"] == "all"]
+        mix = ", ".join(f"{p}×{n}" for p, n in sorted(Counter(r["pattern"] for r in rows).items()))
+        dens = sum(r["density"] for r in rows) / len(rows)
+        err = sum(r["output_error"] for r in rows) / len(rows)
+        held = fid.get(str(layer))
+        table.add_row(str(layer), mix, f"{dens:.1%}", f"{err:.3f}", "-" if held is None else f"{held:.3f}")
+    out_console.print(table)
+    f = result.fidelity
+    if f:
+        out_console.print(
+            f"held-out {f['eval_data']} ({f['samples']} sample(s), {f['tokens']} tokens): next-token KL {f['next_token_kl']:.4f}, "
+            f"retrieval dense {f['dense_accuracy']:.0%} vs sparse {f['sparse_accuracy']:.0%}, mean density {f['mean_density']:.1%}"
+        )
+    out_console.print(f"timings: {summary['timings_s']}  map: {summary['map_png']}")

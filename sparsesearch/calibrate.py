@@ -1,0 +1,315 @@
+"""`calibrate`: MMInference's modality-aware, kernel-aware per-head search, end to end.
+
+model + calibration samples -> one forward per sample with QKV capture; inside each layer's callback the
+layer is searched (search.layer) and its scores are written to ``OUT.partial/`` at once -> choice per head
+(mean objective over samples) -> artifact (manifest + heads.parquet) -> fidelity on a held-out sample with
+the sparse runtime vs dense -> the artifact is written atomically, with a PNG map beside it.
+
+Resume: ``OUT.partial/state.json`` fingerprints the run (model revision, data hash, search space hash,
+settings); per (sample, layer) score files are skipped on ``resume=True``, so a killed run loses at most
+the layer in progress and ends with the same artifact (scores round-trip exactly through JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .artifacts.columns import ALL_MODALITIES, row_from_params
+from .patterns import PARAMS
+from .search.cost import cost_model_for
+from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
+from .search.space import Candidate, load_space
+
+MODALITY_NAMES = ("text", "image", "video")
+
+
+@dataclass
+class CalibrateConfig:
+    model: str = "smollm2-135m"
+    data: str = "synthetic:kv-retrieval"
+    search_space: str | None = None
+    max_tokens: int = 4096
+    samples: int = 1
+    seed: int = 0
+    out: Path = Path("artifacts/smollm2-135m")
+    device: str = "auto"
+    dtype: str = "auto"
+    head_space: str = "kv"
+    objective: str = "output_error"
+    resume: bool = False
+    eval_data: str | None = "synthetic:passkey"
+    eval_samples: int = 1
+    min_tokens: int = 1024
+    trust_remote_code: bool = False
+    created: str | None = None  # fixed creation time (tests, reproducible bytes)
+
+
+@dataclass
+class Progress:
+    """Callbacks a front end may set: stage names, and per-layer ticks."""
+
+    stage: Callable[[str], None] = lambda name: None
+    layer: Callable[[int, int, int], None] = lambda sample, layer, total: None
+
+
+@dataclass
+class CalibrationResult:
+    path: Path
+    manifest: dict
+    rows: list[dict]
+    timings: dict
+    fidelity: dict | None
+    map_png: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def check_config(cfg: CalibrateConfig) -> None:
+    if cfg.max_tokens < 64:
+        raise ValueError(f"--max-tokens must be >= 64, got {cfg.max_tokens}")
+    if cfg.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {cfg.samples}")
+    if cfg.head_space not in ("query", "kv"):
+        raise ValueError(f"--head-space must be 'query' or 'kv', got {cfg.head_space!r}")
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"--objective must be one of {OBJECTIVES}, got {cfg.objective!r}")
+    if cfg.eval_samples < 0:
+        raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
+
+
+def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, device: str) -> str:
+    settings = {
+        "model": info.revision or info.id, "data": data_sha, "space": space_sha, "max_tokens": cfg.max_tokens,
+        "samples": cfg.samples, "seed": cfg.seed, "head_space": cfg.head_space, "device": device.split(":")[0],
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _scored_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings) -> dict:
+    return {
+        "budget_ms": budget.tolist(),
+        "timings": dataclasses.asdict(timings),
+        "candidates": [
+            {
+                "pattern": s.candidate.pattern, "params": s.candidate.params,
+                "modalities": list(s.candidate.modalities) if s.candidate.modalities else None,
+                "head_params": [dataclasses.asdict(p) if p is not None else None for p in s.params],
+                "head_patterns": [type(p).__module__.rsplit(".", 1)[-1] if p is not None else None for p in s.params],
+                "error": s.error.tolist(), "recall": s.recall.tolist(), "density": s.density.tolist(), "cost_ms": s.cost_ms.tolist(),
+            }
+            for s in scored
+        ],
+    }
+
+
+def _scored_from_json(data: dict) -> tuple[list[Scored], torch.Tensor, Timings]:
+    scored = []
+    for c in data["candidates"]:
+        cand = Candidate(c["pattern"], c["params"], tuple(c["modalities"]) if c["modalities"] else None)
+        params = [PARAMS[pat](**p) if p is not None else None for pat, p in zip(c["head_patterns"], c["head_params"])]
+        t = lambda name: torch.tensor(c[name], dtype=torch.float64)
+        scored.append(Scored(cand, params, t("error"), t("recall"), t("density"), t("cost_ms")))
+    return scored, torch.tensor(data["budget_ms"], dtype=torch.float64), Timings(**data["timings"])
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _prepare_workdir(cfg: CalibrateConfig, fingerprint: str) -> tuple[Path, str]:
+    """OUT.partial/ with state.json; returns (dir, created). Without resume any old partial state is dropped."""
+    work = cfg.out.with_name(cfg.out.name + ".partial")
+    state_path = work / "state.json"
+    if cfg.resume and state_path.is_file():
+        state = json.loads(state_path.read_text())
+        if state.get("fingerprint") != fingerprint:
+            raise ValueError(f"--resume: {work} was started with other settings (model, data, search space or options); drop --resume to start over")
+        return work, state["created"]
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    from .artifacts.manifest import utc_now
+
+    created = cfg.created or utc_now()
+    _write_json(state_path, {"fingerprint": fingerprint, "created": created})
+    return work, created
+
+
+def _modalities_present(sample) -> list[str]:
+    ids = sorted(set(int(m) for m in sample.modality.unique()))
+    return [MODALITY_NAMES[i] for i in ids]
+
+
+def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> CalibrationResult:
+    """Run the whole job (see the module docstring)."""
+    from .artifacts import write_artifact
+    from .artifacts.manifest import new_manifest
+    from .data import held_out, load_calibration, sha256_of
+    from .models import capture_qkv, load_model
+
+    progress = progress or Progress()
+    check_config(cfg)
+    space = load_space(cfg.search_space)
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise ValueError(f"--out {cfg.out} exists and is not a directory")
+    progress.stage("loading model")
+    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer is None:
+        raise ValueError(f"model {cfg.model!r} has no tokenizer files; calibration data needs one")
+    device = str(next(model.parameters()).device)
+    progress.stage("loading calibration data")
+    samples = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples, seed=cfg.seed)
+    data_sha = sha256_of(samples)
+    work, created = _prepare_workdir(cfg, _fingerprint(cfg, info, data_sha, space.sha256, device))
+    costs = cost_model_for(device)
+    total = Timings()
+    started = time.perf_counter()
+    for si, sample in enumerate(samples):
+        present = _modalities_present(sample)
+        # Text-only inputs reduce to one intra-modality search over every token ("all").
+        scopes = [ALL_MODALITIES] + (present if len(present) > 1 else [])
+        todo = {layer for layer in range(info.num_layers) if not all((work / f"s{si}_l{layer}_{sc}.json").is_file() for sc in scopes)}
+        if not todo:
+            continue
+        frame_stride = sample.meta.get("frame_stride")
+
+        def on_layer(layer, cap, si=si, sample=sample, scopes=scopes, frame_stride=frame_stride) -> None:
+            if cap.layer not in todo:
+                return
+            for scope in scopes:
+                path = work / f"s{si}_l{cap.layer}_{scope}.json"
+                if path.is_file():
+                    continue
+                q, k, v = cap.q.to(device), cap.k.to(device), cap.v.to(device)
+                modality = "text" if scope == ALL_MODALITIES and present == ["text"] else scope
+                if scope != ALL_MODALITIES:
+                    keep = (sample.modality == MODALITY_NAMES.index(scope)).nonzero().flatten().to(device)
+                    q, k, v = q[:, :, keep], k[:, :, keep], v[:, :, keep]
+                elif len(present) > 1:
+                    modality = "video" if "video" in present else present[-1]
+                scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=modality,
+                                                frame_stride=frame_stride, scale=cap.scale)
+                _write_json(path, _scored_to_json(scored, budget, t))
+            progress.layer(si, cap.layer, info.num_layers)
+
+        progress.stage(f"searching sample {si + 1}/{len(samples)}")
+        inputs = {"input_ids": sample.input_ids[None].to(device)}
+        capture_qkv(model, inputs, on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
+    search_s = time.perf_counter() - started
+
+    rows, layer_errors = [], {}
+    scopes_all = sorted({p.name.split("_", 2)[2][:-5] for p in work.glob("s0_l*_*.json")}, key=lambda s: (s != ALL_MODALITIES, s))
+    for layer in range(info.num_layers):
+        for scope in scopes_all:
+            loaded = [_scored_from_json(json.loads((work / f"s{si}_l{layer}_{scope}.json").read_text())) for si in range(len(samples))]
+            for _, _, t in loaded:
+                total.add(t)
+            scored = mean_scored([s for s, _, _ in loaded])
+            budget = torch.stack([b for _, b, _ in loaded]).mean(0)
+            for r in head_rows(scored, budget, cfg.objective):
+                rows.append(_artifact_row(layer, scope, r, space))
+            if scope == ALL_MODALITIES:
+                layer_errors[layer] = sum(r["output_error"] for r in rows if r["layer"] == layer and r["q_modality"] == ALL_MODALITIES) / max(1, sum(1 for r in rows if r["layer"] == layer and r["q_modality"] == ALL_MODALITIES))
+
+    methods = {"mminference": {
+        "table": "heads.parquet",
+        **{
+            "objective": cfg.objective, "head_space": cfg.head_space, "cost_model": costs.kind,
+            "boundary_search": "not run: boundary rows need the permutation kernels of a later issue; modality rows are intra-modality only",
+            "max_tokens": cfg.max_tokens, "samples": cfg.samples,
+            "timings_s": {"search": round(search_s, 2), **{k: round(v, 2) for k, v in dataclasses.asdict(total).items()}},
+            "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},
+        },
+    }}
+    manifest = new_manifest(
+        info, head_index_space=cfg.head_space, provenance={"kind": "calibrated", "source": cfg.data},
+        methods=methods, calibration={"source": cfg.data, "sha256": data_sha, "lengths": [int(s.input_ids.numel()) for s in samples], "seed": cfg.seed},
+        search_space={"name": space.name, "sha256": space.sha256}, created=created,
+    )
+    fidelity = None
+    if cfg.eval_data and cfg.eval_samples:
+        progress.stage("fidelity on held-out data")
+        fidelity = evaluate_fidelity(model, tokenizer, manifest, rows, cfg)
+        manifest["methods"]["mminference"]["fidelity"] = fidelity
+    progress.stage("writing artifact")
+    path = write_artifact(cfg.out, manifest, {"heads.parquet": rows})
+    png = None
+    try:
+        from .report.heads_map import draw_heads_map
+
+        png = draw_heads_map(rows, info, cfg.out.with_name(cfg.out.name + ".png"))
+    except ImportError:  # matplotlib missing: the artifact stands without its picture
+        png = None
+    shutil.rmtree(work, ignore_errors=True)
+    timings = {"search_s": search_s, **dataclasses.asdict(total)}
+    return CalibrationResult(path, manifest, rows, timings, fidelity, png)
+
+
+def _artifact_row(layer: int, scope: str, r: dict, space) -> dict:
+    row = {
+        "layer": layer, "head": r["head"], "q_modality": scope, "k_modality": scope, "boundary": "none",
+        "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
+        "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
+        "latency_ms": r["latency_ms"], "score": r["score"],
+    }
+    row.update(row_from_params(r["params"]))
+    return row
+
+
+def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: CalibrateConfig) -> dict:
+    """Held-out sample(s): dense vs sparse runtime — next-token KL at the answer position, retrieval accuracy,
+    and each layer's attention-output error measured inside the sparse prefill (runtime audit)."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from .data import held_out, retrieval_correct
+    from .runtime import apply, remove
+    from .runtime.hf import runner_of
+
+    artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
+    device = next(model.parameters()).device
+    kls, dense_ok, sparse_ok, audits = [], 0, 0, {}
+    for i in range(cfg.eval_samples):
+        sample = held_out(cfg.eval_data, tokenizer, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
+        ids = sample.input_ids[None].to(device)
+        new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
+        gen = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                   pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            dense = model.generate(ids, **gen)
+            apply(model, artifact, min_tokens=cfg.min_tokens)
+            try:
+                runner_of(model).audit = {}
+                sparse = model.generate(ids, **gen)
+                for layer, errs in runner_of(model).audit.items():
+                    audits.setdefault(layer, []).append(errs[0])
+            finally:
+                remove(model)
+        p = torch.log_softmax(dense.logits[0][0].float(), -1)
+        q = torch.log_softmax(sparse.logits[0][0].float(), -1)
+        kls.append(float((p.exp() * (p - q)).sum()))
+        text = lambda out: tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+        if sample.answer is not None:
+            dense_ok += retrieval_correct(text(dense), sample)
+            sparse_ok += retrieval_correct(text(sparse), sample)
+    n = cfg.eval_samples
+    text_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES]
+    return {
+        "eval_data": cfg.eval_data, "samples": n, "tokens": int(ids.shape[1]),
+        "next_token_kl": round(sum(kls) / n, 6),
+        "dense_accuracy": dense_ok / n, "sparse_accuracy": sparse_ok / n,
+        "mean_density": round(sum(r["density"] for r in text_rows) / max(1, len(text_rows)), 4),
+        "layer_output_error": {str(k): round(sum(v) / len(v), 6) for k, v in sorted(audits.items())},
+    }

@@ -1,0 +1,1 @@
+"""Reports for people: PNG maps and plots (matplotlib, imported lazily)."""

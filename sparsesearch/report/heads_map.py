@@ -1,0 +1,46 @@
+"""PNG map of an artifact's text rows: layers x heads, colour = pattern, label = density (%)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PATTERN_COLORS = {
+    "dense": "#4d4d4d", "ashape": "#1f77b4", "vertical_slash": "#ff7f0e", "block_topk": "#2ca02c",
+    "grid": "#9467bd", "triangle": "#8c564b",
+}
+
+
+def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
+    """rows: heads.parquet records (q_modality "all" only are drawn). Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    text = [r for r in rows if r["q_modality"] == "all"]
+    heads = max(r["head"] for r in text) + 1 if text else 1
+    names = list(PATTERN_COLORS)
+    grid = [[names.index("dense")] * heads for _ in range(info.num_layers)]
+    labels = [[""] * heads for _ in range(info.num_layers)]
+    for r in text:
+        grid[r["layer"]][r["head"]] = names.index(r["pattern"])
+        if r.get("density") is not None:
+            labels[r["layer"]][r["head"]] = f"{100 * r['density']:.0f}"
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * heads + 2), max(4, 0.25 * info.num_layers + 1.5)))
+    ax.imshow(grid, cmap=ListedColormap([PATTERN_COLORS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto")
+    for layer in range(info.num_layers):
+        for head in range(heads):
+            ax.text(head, layer, labels[layer][head], ha="center", va="center", fontsize=6, color="white")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"{info.id}: pattern per head (numbers: density %)")
+    used = sorted({r["pattern"] for r in text}) or ["dense"]
+    ax.legend(handles=[Patch(color=PATTERN_COLORS[n], label=n) for n in used], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(used), fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,185 @@
+"""calibrate: planted patterns are recovered, the search is deterministic, resume gives the identical
+artifact, and bad input exits 2 with one line. CPU, small shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparsesearch.calibrate import CalibrateConfig, Progress, calibrate
+from sparsesearch.search.cost import AnalyticCost
+from sparsesearch.search.layer import head_rows, score_layer
+from sparsesearch.search.space import load_space
+from sparsesearch_cli.app import app
+
+SPACE = {
+    "name": "test-small", "format": 1, "reference_tokens": 1024, "block_m": 32, "block_n": 32,
+    "target": {"pattern": "ashape", "params": {"sink": 64, "local": 256}}, "budget_slack": 0.1,
+    "scaled_params": ["sink", "local", "vertical_size", "slash_size"],
+    "candidates": [
+        {"pattern": "ashape", "params": {"sink": 32, "local": 64}},
+        {"pattern": "ashape", "params": {"sink": 32, "local": 192}},
+        {"pattern": "vertical_slash", "params": {"vertical_size": 64, "slash_size": 64, "last_q": 64}},
+    ],
+}
+
+
+@pytest.fixture
+def space_file(tmp_path):
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps(SPACE))
+    return path
+
+
+def planted(n=1024, seed=0):
+    """Head 0: local attention (smooth positional features, dot product decays with distance).
+    Head 1: vertical lines (a few keys every query loves) on top of noise."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freqs = torch.linspace(0.002, 0.05, 32)[None, :]
+    feats = torch.cat([torch.cos(pos * freqs), torch.sin(pos * freqs)], dim=1) * 3.0  # [n, 64]
+    q = torch.zeros(1, 2, n, 64)
+    k = torch.zeros(1, 2, n, 64)
+    q[0, 0], k[0, 0] = feats, feats
+    direction = torch.randn(64, generator=gen)
+    direction /= direction.norm()
+    q[0, 1] = torch.randn(n, 64, generator=gen) * 0.1 + direction * 4.0
+    k[0, 1] = torch.randn(n, 64, generator=gen) * 0.1
+    stars = torch.tensor([3, 200, 517, 700])
+    k[0, 1, stars] += direction * 20.0  # q·k/sqrt(d) = 10: the stars hold nearly all the mass
+    v = torch.randn(1, 2, n, 64, generator=gen)
+    return q, k, v
+
+
+def test_planted_patterns_are_recovered(space_file):
+    q, k, v = planted()
+    space = load_space(str(space_file))
+    scored, budget, _ = score_layer(q, k, v, space, AnalyticCost(), head_space="query")
+    rows = head_rows(scored, budget, "output_error")
+    assert rows[0]["pattern"] == "ashape", rows[0]
+    assert rows[1]["pattern"] == "vertical_slash", rows[1]
+    assert all(r["admissible"] and r["density"] <= 1.0 for r in rows)
+    assert rows[1]["output_error"] < 0.05
+
+
+def test_search_is_deterministic(space_file):
+    q, k, v = planted(seed=3)
+    space = load_space(str(space_file))
+    a = head_rows(*score_layer(q, k, v, space, AnalyticCost(), head_space="query")[:2], "output_error")
+    b = head_rows(*score_layer(q, k, v, space, AnalyticCost(), head_space="query")[:2], "output_error")
+    assert a == b
+
+
+def test_over_budget_candidates_are_pruned_unrun(space_file):
+    q, k, v = planted()
+    space = load_space(str(space_file))
+    scored, budget, _ = score_layer(q, k, v, space, AnalyticCost(), head_space="query")
+    for s in scored:
+        over = s.cost_ms > budget
+        assert bool(torch.isinf(s.error[over]).all()), "pruned heads are never run"
+
+
+def test_default_space_is_table3():
+    space = load_space()
+    patterns = [c.pattern for c in space.candidates]
+    assert patterns.count("ashape") == 3 and patterns.count("vertical_slash") == 9 and patterns.count("grid") == 12
+    assert space.target.params == {"sink": 1024, "local": 4096}
+    at4k = space.resolve(space.target, 4096)
+    assert (at4k.sink, at4k.local) == (128, 512)  # scaled by 4096 / 32768
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({**SPACE, "format": 2}), "format must be 1"),
+    (json.dumps({**SPACE, "candidates": [{"pattern": "star"}]}), "unknown pattern 'star'"),
+    (json.dumps({**SPACE, "candidates": [{"pattern": "ashape", "params": {"sink": -1, "local": 8}}]}), "sink must be >= 0"),
+    (json.dumps({**SPACE, "candidates": [{"pattern": "ashape", "params": {"radius": 3}}]}), "no parameter"),
+    (json.dumps({**SPACE, "block_m": 48}), "block_m must be"),
+])
+def test_bad_search_space_files(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_space(str(path))
+
+
+# ------------------------------------------------------------------ end to end on a tiny random Llama
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 3-layer random Llama with SmolLM2's real tokenizer, saved as an HF directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from sparsesearch.models.resolve import _smollm2_path
+
+    gguf = _smollm2_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _cfg(model, out, space_file, **kw):
+    base = dict(model=model, data="synthetic:passkey", search_space=str(space_file), max_tokens=512, out=out,
+                eval_data="synthetic:passkey", eval_samples=1, min_tokens=128, created="2026-01-01T00:00:00Z")
+    base.update(kw)
+    return CalibrateConfig(**base)
+
+
+def test_resume_gives_the_identical_artifact(tiny_model, space_file, tmp_path):
+    whole = calibrate(_cfg(tiny_model, tmp_path / "whole", space_file))
+    assert whole.path.is_dir() and (tmp_path / "whole" / "heads.parquet").is_file()
+    assert whole.fidelity is not None and whole.fidelity["samples"] == 1 and math.isfinite(whole.fidelity["next_token_kl"])
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(sample, layer, total):
+        if layer == 0:
+            raise Killed
+
+    with pytest.raises(Killed):
+        calibrate(_cfg(tiny_model, tmp_path / "resumed", space_file), Progress(layer=kill_after_first))
+    assert not (tmp_path / "resumed").exists(), "nothing half-written at the target"
+    assert len(list((tmp_path / "resumed.partial").glob("s0_l*.json"))) == 1, "layer 0 was saved before the kill"
+    resumed = calibrate(_cfg(tiny_model, tmp_path / "resumed", space_file, resume=True))
+    assert (tmp_path / "whole" / "heads.parquet").read_bytes() == (tmp_path / "resumed" / "heads.parquet").read_bytes()
+    a, b = (json.loads((p / "manifest.json").read_text()) for p in (whole.path, resumed.path))
+    drop = lambda m: {k: v for k, v in m.items() if k != "methods"}
+    assert drop(a) == drop(b)
+    assert a["methods"]["mminference"]["fidelity"] == b["methods"]["mminference"]["fidelity"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "synthetic:nope"], "unknown synthetic set"),
+    (["--max-tokens", "10"], "max-tokens must be >= 64"),
+    (["--samples", "0"], "samples must be >= 1"),
+    (["--objective", "vibes"], "objective must be one of"),
+])
+def test_cli_bad_input_exits_2(tiny_model, space_file, tmp_path, args, message):
+    result = CliRunner().invoke(app, ["calibrate", "--model", tiny_model, "--search-space", str(space_file),
+                                      "--out", str(tmp_path / "a"), "--eval-data", "", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_cli_refuses_out_holding_another_artifact(tiny_model, space_file, tmp_path):
+    runner = CliRunner()
+    common = ["calibrate", "--model", tiny_model, "--search-space", str(space_file), "--max-tokens", "256", "--eval-data", "", "--json"]
+    first = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--data", "synthetic:passkey"])
+    assert first.exit_code == 0, first.output
+    summary = json.loads(first.stdout)
+    assert summary["artifact"].endswith("a") and sum(summary["patterns"].values()) == 3  # 3 layers x 1 KV head
+    before = (tmp_path / "a" / "heads.parquet").read_bytes()
+    second = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--data", "synthetic:kv-retrieval"])
+    assert second.exit_code == 2, second.output
+    assert (tmp_path / "a" / "heads.parquet").read_bytes() == before
