@@ -26,6 +26,7 @@ def calibrate(
     objective: Annotated[str, typer.Option(help="output_error (relative L2 of the attention output) or mass_recall.")] = "output_error",
     eval_data: Annotated[str, typer.Option(help="Held-out data for the fidelity report ('' to skip).")] = "synthetic:passkey",
     eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
+    eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out length in tokens (default: --max-tokens).")] = None,
     min_tokens: Annotated[int, typer.Option(help="Runtime: prompts shorter than this run dense.")] = 1024,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
@@ -41,7 +42,7 @@ def calibrate(
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
-                          resume=resume, eval_data=eval_data or None, eval_samples=eval_samples, min_tokens=min_tokens,
+                          resume=resume, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:
@@ -88,6 +89,7 @@ def _render(result, summary) -> None:
     if f:
         out_console.print(
             f"held-out {f['eval_data']} ({f['samples']} sample(s), {f['tokens']} tokens): next-token KL {f['next_token_kl']:.4f}, "
+            f"greedy agreement {f['greedy_agreement']:.0%}, "
             f"retrieval dense {f['dense_accuracy']:.0%} vs sparse {f['sparse_accuracy']:.0%}, mean density {f['mean_density']:.1%}"
         )
     out_console.print(f"timings: {summary['timings_s']}  map: {summary['map_png']}")

@@ -49,6 +49,7 @@ class CalibrateConfig:
     resume: bool = False
     eval_data: str | None = "synthetic:passkey"
     eval_samples: int = 1
+    eval_tokens: int | None = None  # held-out length (None: max_tokens)
     min_tokens: int = 1024
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
@@ -82,6 +83,8 @@ def check_config(cfg: CalibrateConfig) -> None:
         raise ValueError(f"--head-space must be 'query' or 'kv', got {cfg.head_space!r}")
     if cfg.objective not in OBJECTIVES:
         raise ValueError(f"--objective must be one of {OBJECTIVES}, got {cfg.objective!r}")
+    if cfg.eval_tokens is not None and cfg.eval_tokens < 64:
+        raise ValueError(f"--eval-tokens must be >= 64, got {cfg.eval_tokens}")
     if cfg.eval_samples < 0:
         raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
 
@@ -280,9 +283,9 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: C
 
     artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
     device = next(model.parameters()).device
-    kls, dense_ok, sparse_ok, audits = [], 0, 0, {}
+    kls, agree, dense_ok, sparse_ok, audits = [], [], 0, 0, {}
     for i in range(cfg.eval_samples):
-        sample = held_out(cfg.eval_data, tokenizer, max_tokens=cfg.max_tokens, seed=cfg.seed + i)
+        sample = held_out(cfg.eval_data, tokenizer, max_tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed + i)
         ids = sample.input_ids[None].to(device)
         new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
         gen = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
@@ -300,6 +303,10 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: C
         p = torch.log_softmax(dense.logits[0][0].float(), -1)
         q = torch.log_softmax(sparse.logits[0][0].float(), -1)
         kls.append(float((p.exp() * (p - q)).sum()))
+        # Greedy agreement: share of generated positions before the sparse answer first departs from dense.
+        d_ids, s_ids = dense.sequences[0, ids.shape[1]:], sparse.sequences[0, ids.shape[1]:]
+        same = (d_ids[: s_ids.numel()] == s_ids[: d_ids.numel()]).int()
+        agree.append(float(same.cumprod(0).sum()) / max(1, d_ids.numel()))
         text = lambda out: tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
         if sample.answer is not None:
             dense_ok += retrieval_correct(text(dense), sample)
@@ -308,7 +315,7 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: C
     text_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES]
     return {
         "eval_data": cfg.eval_data, "samples": n, "tokens": int(ids.shape[1]),
-        "next_token_kl": round(sum(kls) / n, 6),
+        "next_token_kl": round(sum(kls) / n, 6), "greedy_agreement": round(sum(agree) / n, 4),
         "dense_accuracy": dense_ok / n, "sparse_accuracy": sparse_ok / n,
         "mean_density": round(sum(r["density"] for r in text_rows) / max(1, len(text_rows)), 4),
         "layer_output_error": {str(k): round(sum(v) / len(v), 6) for k, v in sorted(audits.items())},

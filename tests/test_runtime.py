@@ -134,3 +134,59 @@ def test_plan_rejects_rows_outside_the_model(model):
         build_plan(bad.manifest, bad.heads, info)
     with pytest.raises(ValueError, match="min_tokens"):
         build_plan(bad.manifest, bad.heads, info, min_tokens=0)
+
+
+# ------------------------------------------------------------------ the real model (SmolLM2-135M, GGUF)
+@pytest.fixture(scope="module")
+def smollm2():
+    from sparsesearch.models import load_model
+
+    model, tok, info = load_model("smollm2-135m", dtype="float32", device="cpu")
+    return model.eval(), tok, info
+
+
+def test_smollm2_dense_artifact_is_stock_and_sparse_generates(smollm2, tmp_path):
+    from sparsesearch.artifacts import load_artifact, write_artifact
+    from sparsesearch.artifacts.manifest import new_manifest
+    from sparsesearch.export import export_minference, import_minference
+
+    model, tok, info = smollm2
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? " + "Answer briefly. " * 60}],
+                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = chat["input_ids"]
+    stock = logits(model, ids)
+    dense_rows = [(l, h, "dense", {}) for l in range(info.num_layers) for h in range(info.num_kv_heads)]
+    vs_rows = [(l, h, "vertical_slash" if h else "ashape",
+                {"vertical_size": 64, "slash_size": 128, "last_q": 64} if h else {"sink": 16, "local": 128})
+               for l in range(info.num_layers) for h in range(info.num_kv_heads)]
+    paths = {}
+    for name, rows in (("dense", dense_rows), ("sparse", vs_rows)):
+        table = artifact(rows).heads.to_dict("records")
+        for r in table:
+            r["block_m"] = r["block_n"] = 64
+        manifest = new_manifest(info, head_index_space="kv", provenance={"kind": "manual"}, methods={"mminference": {"table": "heads.parquet"}},
+                                created="2026-01-01T00:00:00Z")
+        paths[name] = write_artifact(tmp_path / name, manifest, {"heads.parquet": table})
+    dense_art = load_artifact(paths["dense"], model_info=info)
+    apply(model, dense_art, min_tokens=64)
+    try:
+        assert torch.equal(logits(model, ids), stock), "an all-dense artifact must not change a single logit"
+    finally:
+        remove(model)
+    sparse_art = load_artifact(paths["sparse"], model_info=info)
+    apply(model, sparse_art, min_tokens=64)
+    try:
+        changed = logits(model, ids)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    finally:
+        remove(model)
+    assert not torch.equal(changed, stock)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    # export -> import keeps every field the MInference format carries
+    back_manifest, back_tables = import_minference(export_minference(sparse_art), info)
+    back = {(r["layer"], r["head"]): r for r in back_tables["heads.parquet"]} if isinstance(back_tables["heads.parquet"], list) else None
+    if back is None:
+        back = {(int(r["layer"]), int(r["head"])): r for r in back_tables["heads.parquet"].to_dict("records")}
+    assert len(back) == info.num_layers * info.num_heads  # MInference is per query head
+    first = back[(3, 4)]  # query head 4 belongs to KV head 1 (group of 3): vertical_slash(64, 128)
+    assert first["pattern"] == "vertical_slash" and int(first["vertical_size"]) == 64 and int(first["slash_size"]) == 128

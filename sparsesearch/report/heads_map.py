@@ -28,14 +28,15 @@ def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
         grid[r["layer"]][r["head"]] = names.index(r["pattern"])
         if r.get("density") is not None:
             labels[r["layer"]][r["head"]] = f"{100 * r['density']:.0f}"
-    fig, ax = plt.subplots(figsize=(max(4, 0.5 * heads + 2), max(4, 0.25 * info.num_layers + 1.5)))
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.5 * heads + 2), max(4, 0.25 * info.num_layers + 1.5)))
     ax.imshow(grid, cmap=ListedColormap([PATTERN_COLORS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto")
     for layer in range(info.num_layers):
         for head in range(heads):
             ax.text(head, layer, labels[layer][head], ha="center", va="center", fontsize=6, color="white")
+    ax.set_xticks(range(heads))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(f"{info.id}: pattern per head (numbers: density %)")
+    ax.set_title(f"{info.id}\npattern per head · numbers: density %", fontsize=10)
     used = sorted({r["pattern"] for r in text}) or ["dense"]
     ax.legend(handles=[Patch(color=PATTERN_COLORS[n], label=n) for n in used], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(used), fontsize=7)
     fig.tight_layout()

@@ -1,0 +1,89 @@
+"""Search time of `calibrate` on 7B-shaped synthetic activations (paper 000: ~15 min per 7B model on an A100).
+
+    python benchmarks/search_time.py --layers 28 --heads 28 --kv-heads 4 --dim 128 --tokens 25000
+
+Per layer: synthetic post-RoPE q/k/v with real structure (positional features so attention is local,
+a few heavy "vertical" keys per head, noise), then the same `score_layer` calibrate runs, with measured
+kernel costs on this GPU. Prints the time split (index estimation, kernels, objective, cost measurement)
+and writes a JSON row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from sparsesearch.search.cost import MeasuredCost
+from sparsesearch.search.layer import head_rows, score_layer
+from sparsesearch.search.space import load_space
+
+
+def activations(layer: int, heads: int, kv_heads: int, n: int, dim: int, device, dtype):
+    gen = torch.Generator(device=device).manual_seed(layer)
+    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
+    freqs = torch.logspace(-4, -1, dim // 2, device=device)[None, :] * (1 + layer % 3)
+    feats = torch.cat([torch.cos(pos * freqs), torch.sin(pos * freqs)], dim=1)  # [n, dim], smooth in position
+    noise = lambda h: torch.randn(1, h, n, dim, device=device, generator=gen)
+    k = feats[None, None] * 2.0 + noise(kv_heads) * 0.5
+    stars = torch.randint(0, n, (kv_heads, 64), device=device, generator=gen)
+    direction = torch.randn(kv_heads, dim, device=device, generator=gen)
+    for h in range(kv_heads):
+        k[0, h, stars[h]] += direction[h] * 3.0
+    q = feats[None, None] * 2.0 + noise(heads) * 0.5 + direction.repeat_interleave(heads // kv_heads, 0)[None, :, None, :] * 0.5
+    v = noise(kv_heads)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=28)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=25000)
+    parser.add_argument("--head-space", default="kv", choices=["kv", "query"])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/search_time.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/search_time.py needs a CUDA GPU")
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    space = load_space()
+    costs = MeasuredCost(cache_path=Path("/tmp/sparsesearch_costs.json"))
+    totals = {"index_s": 0.0, "kernel_s": 0.0, "objective_s": 0.0}
+    mix: dict[str, int] = {}
+    started = time.perf_counter()
+    gen_s = 0.0
+    for layer in range(args.layers):
+        t0 = time.perf_counter()
+        q, k, v = activations(layer, args.heads, args.kv_heads, args.tokens, args.dim, dev, dtype)
+        torch.cuda.synchronize()
+        gen_s += time.perf_counter() - t0
+        scored, budget, t = score_layer(q, k, v, space, costs, head_space=args.head_space)
+        for r in head_rows(scored, budget, "output_error"):
+            mix[r["pattern"]] = mix.get(r["pattern"], 0) + 1
+        for key in totals:
+            totals[key] += getattr(t, key)
+        print(f"layer {layer:2d}: {time.perf_counter() - started:6.1f} s", flush=True)
+    wall = time.perf_counter() - started - gen_s
+    row = {
+        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+        "layers": args.layers, "q_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.dim, "tokens": args.tokens,
+        "dtype": "bf16", "head_space": args.head_space, "search_s": round(wall, 2),
+        **{k: round(v, 2) for k, v in totals.items()},
+        "cost_measurement_and_other_s": round(wall - sum(totals.values()), 2), "patterns": mix,
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(row, indent=1) + "\n")
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
