@@ -82,10 +82,9 @@ def load_space(spec: str | Path | None = None) -> SearchSpace:
     """Load a search space: None / a bundled name (``mminference``) / a path to a JSON file."""
     if spec is None or (isinstance(spec, str) and not spec.endswith(".json") and "/" not in spec):
         name = spec or DEFAULT_SPACE
-        try:
-            data = resources.files("sparsesearch.search_spaces").joinpath(f"{name}.json").read_bytes()
-        except (FileNotFoundError, ModuleNotFoundError):
-            raise ValueError(f"unknown bundled search space {name!r}; pass a .json path or use {DEFAULT_SPACE!r}") from None
+        data = _bundled(name)
+        if data is None:
+            raise ValueError(f"unknown bundled search space {name!r}; pass a .json path or use {DEFAULT_SPACE!r}")
         where = f"bundled {name}"
     else:
         path = Path(spec)
@@ -98,6 +97,16 @@ def load_space(spec: str | Path | None = None) -> SearchSpace:
     except json.JSONDecodeError as exc:
         raise ValueError(f"search space {where} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
     return parse_space(raw, hashlib.sha256(data).hexdigest(), where)
+
+
+def _bundled(name: str) -> bytes | None:
+    """A bundled space's bytes: from the installed package data, else from a source checkout's search_spaces/."""
+    try:
+        return resources.files("sparsesearch.search_spaces").joinpath(f"{name}.json").read_bytes()
+    except (FileNotFoundError, ModuleNotFoundError):
+        pass
+    source = Path(__file__).resolve().parents[2] / "search_spaces" / f"{name}.json"
+    return source.read_bytes() if source.is_file() else None
 
 
 def parse_space(raw: dict, sha256: str, where: str = "search space") -> SearchSpace:
