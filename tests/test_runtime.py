@@ -190,3 +190,18 @@ def test_smollm2_dense_artifact_is_stock_and_sparse_generates(smollm2, tmp_path)
     assert len(back) == info.num_layers * info.num_heads  # MInference is per query head
     first = back[(3, 4)]  # query head 4 belongs to KV head 1 (group of 3): vertical_slash(64, 128)
     assert first["pattern"] == "vertical_slash" and int(first["vertical_size"]) == 64 and int(first["slash_size"]) == 128
+
+
+def test_last_row_only_keeps_the_next_token(model):
+    """Paper 002 §2.4: the last layer computes only the final row; the final position's logits are unchanged."""
+    x = ids()
+    stock = logits(model, x)
+    apply(model, artifact([(0, 0, "dense", {})]), min_tokens=16, last_row_only=True)
+    try:
+        got = logits(model, x)
+        out = model.generate(x, max_new_tokens=4, do_sample=False)
+    finally:
+        remove(model)
+    torch.testing.assert_close(got[:, -1], stock[:, -1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[:, :-1], stock[:, :-1]), "earlier rows of the last layer were skipped"
+    assert out.shape == (1, N + 4)

@@ -41,6 +41,12 @@ def sparsesearch_attention(module, query, key, value, attention_mask, dropout: f
         if runs is not None:
             return _attend_padded(runner, layer, query, key, value, scaling, runs), None
         sparse = False
+    last_row = (
+        runner is not None and layer is not None and runner.plan.last_row_only and layer.layer == len(runner.plan.layers) - 1
+        and q_len == kv_len and q_len >= runner.plan.min_tokens and attention_mask is None
+    )
+    if last_row:
+        return runner.attend_last_row(query, key, value, scale=scaling).transpose(1, 2), None
     if not sparse:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = runner.attend(layer, query, key, value, scale=scaling)
@@ -95,7 +101,7 @@ def _attention_modules(model, num_layers: int):
             yield module
 
 
-def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS) -> Plan:
+def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False) -> Plan:
     """Plan the artifact for this model and route its attention through sparsesearch. Returns the plan.
 
     artifact: an object with ``manifest`` (dict) and ``heads`` (DataFrame), e.g. from artifacts.load_artifact.
@@ -103,7 +109,7 @@ def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS) -> Plan:
     from ..kernels._common import SUPPORTED_HEAD_DIMS
 
     info = model_info(model)
-    plan = build_plan(artifact.manifest, artifact.heads, info, min_tokens=min_tokens)
+    plan = build_plan(artifact.manifest, artifact.heads, info, min_tokens=min_tokens, last_row_only=last_row_only)
     if info.head_dim not in SUPPORTED_HEAD_DIMS and any(layer.kind != "dense" for layer in plan.layers):
         raise ValueError(f"sparse kernels support head_dim {SUPPORTED_HEAD_DIMS}; this model has {info.head_dim}")
     AttentionInterface.register(ATTN_NAME, sparsesearch_attention)

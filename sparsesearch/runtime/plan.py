@@ -41,6 +41,9 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     min_tokens: int = DEFAULT_MIN_TOKENS
     notes: tuple[str, ...] = field(default=())
+    # Paper 002 §2.4: in prefill, the last layer computes attention for the final query row only (the
+    # only row the next token needs); logits at earlier positions are then not meaningful.
+    last_row_only: bool = False
 
     def layer(self, idx: int) -> LayerPlan:
         return self.layers[idx]
@@ -53,7 +56,7 @@ class Plan:
         return counts
 
 
-def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFAULT_MIN_TOKENS) -> Plan:
+def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False) -> Plan:
     """Plan from an artifact's manifest and heads table (a pandas DataFrame with the HEADS_SCHEMA columns).
 
     Rows for specific modality pairs need the boundary kernels (a later issue): those heads run dense and
@@ -95,4 +98,4 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
             for (pattern, params, bm, bn), ids in sorted(by_layer.get(layer, {}).items(), key=lambda kv: min(kv[1]))
         )
         layers.append(LayerPlan(layer, "sparse" if groups else "dense", groups))
-    return Plan(head_space, tuple(layers), min_tokens, tuple(notes))
+    return Plan(head_space, tuple(layers), min_tokens, tuple(notes), last_row_only)

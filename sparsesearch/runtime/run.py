@@ -55,6 +55,14 @@ class Runner:
         self._audit(layer, q, k, v, scale, out)
         return out
 
+    def attend_last_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """Only the final query row attends (every key); other rows are zeros. Returns [B, Hq, N, D] view."""
+        batch, q_heads, n, dim = q.shape
+        buf = torch.zeros(batch, n, q_heads, dim, dtype=q.dtype, device=q.device)
+        last = F.scaled_dot_product_attention(q[:, :, -1:], k, v, scale=scale, enable_gqa=q_heads != k.shape[1])
+        buf[:, -1] = last[:, :, 0]
+        return buf.transpose(1, 2)
+
     def _audit(self, layer: LayerPlan, q, k, v, scale, out) -> None:
         if self.audit is None:
             return
