@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, export, import_minference, inspect, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -15,6 +15,8 @@ app = typer.Typer(
 )
 app.command("calibrate")(calibrate.calibrate)
 app.command("check")(check.check)
+app.command("evaluate")(evaluate.evaluate)
+app.command("probe-layers")(probe_layers.probe_layers)
 app.command("inspect")(inspect.inspect)
 app.command("validate")(validate.validate)
 app.command("export")(export.export)

@@ -243,7 +243,8 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     fidelity = None
     if cfg.eval_data and cfg.eval_samples:
         progress.stage("fidelity on held-out data")
-        fidelity = evaluate_fidelity(model, tokenizer, manifest, rows, cfg)
+        fidelity = evaluate_fidelity(model, tokenizer, manifest, rows, data=cfg.eval_data, samples=cfg.eval_samples,
+                                     tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=cfg.min_tokens)
         manifest["methods"]["mminference"]["fidelity"] = fidelity
     progress.stage("writing artifact")
     path = write_artifact(cfg.out, manifest, {"heads.parquet": rows})
@@ -270,7 +271,8 @@ def _artifact_row(layer: int, scope: str, r: dict, space) -> dict:
     return row
 
 
-def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: CalibrateConfig) -> dict:
+def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
+                      seed: int = 0, min_tokens: int = 1024) -> dict:
     """Held-out sample(s): dense vs sparse runtime — next-token KL at the answer position, retrieval accuracy,
     and each layer's attention-output error measured inside the sparse prefill (runtime audit)."""
     from types import SimpleNamespace
@@ -284,15 +286,17 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: C
     artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
     device = next(model.parameters()).device
     kls, agree, dense_ok, sparse_ok, audits = [], [], 0, 0, {}
-    for i in range(cfg.eval_samples):
-        sample = held_out(cfg.eval_data, tokenizer, max_tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed + i)
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    for i in range(samples):
+        sample = held_out(data, tokenizer, max_tokens=tokens, seed=seed + i)
         ids = sample.input_ids[None].to(device)
         new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
         gen = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                    pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
         with torch.no_grad():
             dense = model.generate(ids, **gen)
-            apply(model, artifact, min_tokens=cfg.min_tokens)
+            apply(model, artifact, min_tokens=min_tokens)
             try:
                 runner_of(model).audit = {}
                 sparse = model.generate(ids, **gen)
@@ -311,12 +315,13 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], cfg: C
         if sample.answer is not None:
             dense_ok += retrieval_correct(text(dense), sample)
             sparse_ok += retrieval_correct(text(sparse), sample)
-    n = cfg.eval_samples
+    n = samples
     text_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES]
+    densities = [r["density"] for r in text_rows if r.get("density") is not None]  # imported rows have none
     return {
-        "eval_data": cfg.eval_data, "samples": n, "tokens": int(ids.shape[1]),
+        "eval_data": data, "samples": n, "tokens": int(ids.shape[1]),
         "next_token_kl": round(sum(kls) / n, 6), "greedy_agreement": round(sum(agree) / n, 4),
         "dense_accuracy": dense_ok / n, "sparse_accuracy": sparse_ok / n,
-        "mean_density": round(sum(r["density"] for r in text_rows) / max(1, len(text_rows)), 4),
+        "mean_density": None if not densities else round(sum(densities) / len(densities), 4),
         "layer_output_error": {str(k): round(sum(v) / len(v), 6) for k, v in sorted(audits.items())},
     }

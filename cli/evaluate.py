@@ -1,0 +1,52 @@
+"""`sparsesearch evaluate`: fidelity of an artifact's sparse runtime against dense on held-out prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._shared import ArtifactArg
+from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+
+
+@exits_cleanly
+def evaluate(
+    artifact: ArtifactArg,
+    model: Annotated[str, typer.Option(help="The model the artifact was made for (alias, directory, hub id, .gguf).")] = "smollm2-135m",
+    data: Annotated[str, typer.Option(help="Held-out prompts: synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "synthetic:passkey",
+    samples: Annotated[int, typer.Option(help="Prompts.")] = 5,
+    tokens: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
+    seed: Annotated[int, typer.Option(help="Seed of the held-out prompts.")] = 0,
+    min_tokens: Annotated[int, typer.Option(help="Runtime: prompts shorter than this run dense.")] = 1024,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Retrieval accuracy, next-token KL, greedy agreement and per-layer attention error, sparse vs dense.
+
+    Example: sparsesearch evaluate artifacts/smollm2-135m --data synthetic:passkey --samples 10 --tokens 2048
+    """
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch.calibrate import evaluate_fidelity
+    from sparsesearch.models import load_model
+
+    with err_console.status("loading model"):
+        m, tokenizer, info = load_model(model, dtype=dtype, device=device)
+    art = load_artifact(artifact, model_info=info)
+    with err_console.status(f"evaluating {samples} prompt(s)"):
+        result = evaluate_fidelity(m, tokenizer, art.manifest, art.head_rows(), data=data, samples=samples, tokens=tokens,
+                                   seed=seed, min_tokens=min_tokens)
+    if json_out:
+        print_json(result)
+        return
+    out_console.print(
+        f"{data}, {samples} prompt(s) of {result['tokens']} tokens: retrieval dense {result['dense_accuracy']:.0%} vs sparse "
+        f"{result['sparse_accuracy']:.0%} · next-token KL {result['next_token_kl']:.4f} · greedy agreement {result['greedy_agreement']:.0%} · "
+        f"mean density {result['mean_density']:.1%}"
+    )
+    errs = result["layer_output_error"]
+    if errs:
+        worst = max(errs, key=errs.get)
+        out_console.print(f"attention output error per layer: mean {sum(errs.values()) / len(errs):.3f}, worst layer {worst} ({errs[worst]:.3f})")

@@ -1,0 +1,81 @@
+"""`sparsesearch probe-layers`: TriangleMix gradient probing and the triangle start layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+
+
+@exits_cleanly
+def probe_layers(
+    model: Annotated[str, typer.Option(help="smollm2-135m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
+    samples: Annotated[int, typer.Option(help="Probe prompts (paper: 100).")] = 100,
+    tokens: Annotated[int, typer.Option(help="Prompt length in tokens (paper: about 2K).")] = 2048,
+    sink: Annotated[int, typer.Option(help="Streaming section: sink tokens (paper: 64).")] = 64,
+    window: Annotated[int, typer.Option(help="Streaming section: local window (paper: 128).")] = 128,
+    last: Annotated[int, typer.Option(help="Last Q-K section: last query rows (paper: 128).")] = 128,
+    threshold: Annotated[float, typer.Option(help="Start-layer rule: middle |dy/dθ| stays <= threshold x peak.")] = 0.2,
+    validate: Annotated[bool, typer.Option("--validate", help="Sweep the start layer and measure retrieval and next-token KL.")] = False,
+    validate_step: Annotated[int, typer.Option(help="Start layers swept every N layers (paper: 2).")] = 2,
+    eval_data: Annotated[str, typer.Option(help="Validation prompts (passkey: SmolLM2 cannot do UUID retrieval).")] = "synthetic:passkey",
+    eval_samples: Annotated[int, typer.Option(help="Validation prompts per start layer.")] = 2,
+    kl_tolerance: Annotated[float, typer.Option(help="Validation: a start layer qualifies at KL <= this.")] = 0.05,
+    seed: Annotated[int, typer.Option(help="Seed of the UUIDs and prompts.")] = 0,
+    out: Annotated[Path, typer.Option(help="Artifact directory; an existing artifact there is composed with.")] = Path("artifacts/smollm2-135m-trianglemix"),
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Probe where the Middle Q-K section stops mattering (paper 002 §2.3) and record the start layer.
+
+    Example: sparsesearch probe-layers --model smollm2-135m --samples 8 --validate
+    """
+    from sparsesearch.probe.probe import ProbeSettings
+    from sparsesearch.probe.run import ProbeConfig, run_probe
+
+    settings = ProbeSettings(samples=samples, tokens=tokens, sink=sink, window=window, last=last, seed=seed)
+    cfg = ProbeConfig(model=model, settings=settings, threshold=threshold, validate=validate, validate_step=validate_step,
+                      eval_data=eval_data, eval_samples=eval_samples, kl_tolerance=kl_tolerance, out=out, device=device,
+                      dtype=dtype, trust_remote_code=trust_remote_code)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=json_out) as bar:
+        task = bar.add_task("starting", total=None)
+        outcome = run_probe(cfg, stage=lambda s: bar.update(task, description=s, total=None, completed=0),
+                            tick=lambda i, n: bar.update(task, total=n, completed=i))
+    r = outcome.result
+    middle = r.layer_curve("abs", "middle")
+    summary = {
+        "artifact": str(outcome.path), "plot": str(outcome.plot) if outcome.plot else None,
+        "start_layer": outcome.start_layer, "validated_start_layer": outcome.validated_start,
+        "samples": r.samples, "seconds": round(outcome.seconds, 1),
+        "middle_abs_grad_per_layer": [round(float(x), 8) for x in middle],
+        "middle_grad_per_layer": [round(float(x), 8) for x in r.layer_curve("grad", "middle")],
+        "validation": outcome.validation,
+    }
+    if json_out:
+        print_json(summary)
+        return
+    table = Table(title=f"probe-layers → {outcome.path}  (start layer {outcome.start_layer})")
+    for col in ("layer", "Grad middle", "|Grad| middle", "|Grad| stream", "|Grad| last", "Att middle"):
+        table.add_column(col, justify="right")
+    for layer in range(len(middle)):
+        mark = " ◀" if layer == outcome.start_layer else ""
+        table.add_row(f"{layer}{mark}", f"{float(r.layer_curve('grad', 'middle')[layer]):+.2e}", f"{float(middle[layer]):.2e}",
+                      f"{float(r.layer_curve('abs', 'stream')[layer]):.2e}", f"{float(r.layer_curve('abs', 'last')[layer]):.2e}",
+                      f"{float(r.layer_curve('att', 'middle')[layer]):.2e}")
+    out_console.print(table)
+    if outcome.validation:
+        vt = Table(title=f"validation (triangle sink 8 / window 512 / last 128): smallest good start = {outcome.validated_start}")
+        for col in ("start layer", "accuracy", "next-token KL"):
+            vt.add_column(col, justify="right")
+        for row in outcome.validation:
+            vt.add_row("dense" if row["start_layer"] is None else str(row["start_layer"]), f"{row['accuracy']:.0%}", f"{row['kl']:.4f}")
+        out_console.print(vt)
+    out_console.print(f"{outcome.seconds:.0f} s · plot: {summary['plot']}")
