@@ -92,3 +92,24 @@ def test_cli_bad_input_exits_2(tiny, tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "p").exists()
+
+
+def test_probe_under_gradient_checkpointing_matches(tiny):
+    """Long probes run with gradient checkpointing (attention runs twice per layer): same sums."""
+    from sparsesearch.models import load_model
+    from sparsesearch.probe.probe import probe_sample
+    from sparsesearch.probe.sections import SectionSpec
+
+    model, tok, info = load_model(tiny, dtype="float32", device="cpu")
+    ids = torch.randint(0, 1000, (200,), generator=torch.Generator().manual_seed(1))
+    spec = SectionSpec(sink=8, window=16, last=16)
+    plain = probe_sample(model, ids, 7, spec, device="cpu")
+    model.gradient_checkpointing_enable()
+    model.train()
+    try:
+        checkpointed = probe_sample(model, ids, 7, spec, device="cpu")
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    for name in ("grad", "abs", "att"):
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-12)

@@ -84,14 +84,16 @@ def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict
     layers: dict[int, dict] = {}
 
     def sink(module, query, key, value, attention_mask, output, scaling) -> None:
-        entry = {"q": query.detach(), "k": key.detach(), "v": value.detach(), "scale": scaling}
-        layers[module.layer_idx] = entry
+        # Under gradient checkpointing a layer's attention runs twice (forward, then recompute in backward):
+        # keep the first entry and hook only once, so the gradient lands where the tensors are.
+        entry = layers.setdefault(module.layer_idx, {"q": query.detach(), "k": key.detach(), "v": value.detach(), "scale": scaling})
 
         def keep(grad, entry=entry):
             entry["do"] = grad.detach()
 
-        if output.requires_grad:
+        if output.requires_grad and not entry.get("hooked"):
             output.register_hook(keep)
+            entry["hooked"] = True
 
     embed = model.get_input_embeddings()
     inputs = embed(ids[None].to(device)).detach().requires_grad_(True)
