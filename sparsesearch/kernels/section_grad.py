@@ -39,8 +39,10 @@ def _tile_sums(
     """
     cols = start + offs_n
     col_ok = cols < seq_len
-    kt = load_kv_tile(k_base, cols, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
-    vt = load_kv_tile(v_base, cols, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
+    # 64-bit offsets: at 1M tokens in a [B, N, H, D] layout, col * stride passes 2^31.
+    cols64 = cols.to(tl.int64)
+    kt = load_kv_tile(k_base, cols64, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
+    vt = load_kv_tile(v_base, cols64, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED, True)
     if DOT_F32:
         kt = kt.to(tl.float32)
     if G_F32:
@@ -86,8 +88,8 @@ def _section_sums_kernel(
     # Last query blocks first: they walk the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
+    b = (pid_bh // heads).to(tl.int64)
+    h = (pid_bh % heads).to(tl.int64)
     kv_h = h // GROUP
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,15 +98,15 @@ def _section_sums_kernel(
     row_ok = offs_m < seq_len
     rows64 = offs_m.to(tl.int64)
     row_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_db + h * stride_dh + rows64[:, None] * stride_dn + offs_d[None, :], mask=row_mask, other=0.0)
-    lse2 = tl.load(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + rows64 * stride_ln, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + rows64[:, None] * stride_dn + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + rows64 * stride_ln, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     if DOT_F32:
         q = q.to(tl.float32)
     if G_F32:
         do = do.to(tl.float32)
-    k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh
+    k_base = K + b * stride_kb + kv_h * stride_kh
+    v_base = V + b * stride_vb + kv_h * stride_vh
 
     g_stream = tl.zeros([BLOCK_M], dtype=tl.float32)
     g_middle = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -139,7 +141,7 @@ def _section_sums_kernel(
 
     # LAST rows own every causal key of the row.
     is_last = offs_m >= last_start
-    base = PART + b.to(tl.int64) * stride_pb + h * stride_ph + m_block * stride_pm
+    base = PART + b * stride_pb + h * stride_ph + m_block * stride_pm
     tl.store(base + 0, tl.sum(tl.where(is_last, 0.0, g_stream), 0))
     tl.store(base + 1, tl.sum(tl.where(is_last, 0.0, g_middle), 0))
     tl.store(base + 2, tl.sum(tl.where(is_last, g_stream + g_middle, 0.0), 0))
@@ -154,15 +156,16 @@ def _section_sums_kernel(
 def _launch_config(head_dim: int, f32: bool) -> dict:
     """Tiles and pipelining; one small fixed choice under the CPU interpreter.
 
-    q and dO tiles stay resident while K and Vᵀ tiles stream. bf16/fp16: 64 x 64, 4 warps, 2 stages
-    (measured on an H200, bf16 d=128: 416 TFLOP/s at 32K, 1.4x the time of a causal SDPA forward).
-    fp32 operands (fp32 inputs or dO; 3-pass TF32 dots) need about twice the shared memory: 32-wide
-    key tiles, 1 stage.
+    q and dO tiles stay resident while K and Vᵀ tiles stream. Measured on an H200 (d=128, 32 query /
+    8 KV heads): bf16 64 x 64, 4 warps, 2 stages gives 416 TFLOP/s at 32K, 1.4x the time of a causal
+    SDPA forward. fp32 operands (fp32 inputs or dO; 3-pass TF32 dots) need about twice the shared memory:
+    one stage (64 x 64 beat 64 x 32 and 32 x 32 by 1.2-2x at 4K and 16K).
     """
     if interpreting():
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if f32:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+        wide = head_dim <= 128
+        return {"BLOCK_M": 64 if wide else 32, "BLOCK_N": 64 if wide else 32, "num_warps": 4, "num_stages": 1}
     return {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
 
 
@@ -183,7 +186,8 @@ def section_sums(
     lse [B, Hq, N] natural log of the dense causal pass (any float dtype, read as fp32).
     Returns SectionSums: float64 [B, Hq, 3] sums (STREAM, MIDDLE, LAST), int64 [3] counts.
     Sums are accumulated in fp32 per program and reduced in float64. fp32 dot operands use 3-pass TF32
-    on the GPU (about fp32 accuracy). config: BLOCK_M, BLOCK_N, num_warps, num_stages overrides.
+    on the GPU (about fp32 accuracy); an fp32 dO next to half-precision q/k/v therefore runs several
+    times slower than a dO in the model's dtype. config: BLOCK_M, BLOCK_N, num_warps, num_stages overrides.
     """
     check_section_inputs(q, k, v, do, lse)
     check_qkv(q, k, v, varlen=False)
