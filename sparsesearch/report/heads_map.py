@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import save_png
+
 PATTERN_COLORS = {
     "dense": "#4d4d4d", "ashape": "#1f77b4", "vertical_slash": "#ff7f0e", "block_topk": "#2ca02c",
     "grid": "#9467bd", "triangle": "#8c564b",
@@ -40,8 +42,4 @@ def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
     used = sorted({r["pattern"] for r in text}) or ["dense"]
     ax.legend(handles=[Patch(color=PATTERN_COLORS[n], label=n) for n in used], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(used), fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_png(fig, path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import save_png
+
 
 def draw_probe(result, start: int, validated: int | None, info, path: Path) -> Path:
     import matplotlib
@@ -34,8 +36,4 @@ def draw_probe(result, start: int, validated: int | None, info, path: Path) -> P
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{info.id}: TriangleMix probe ({result.samples} samples, {max(result.tokens)} tokens)", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_png(fig, path)
