@@ -63,7 +63,7 @@ def test_random_index_matches_oracle(case, head_space):
     assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, group))
 
 
-@pytest.mark.parametrize("dim", [64, 80, 128])
+@pytest.mark.parametrize("dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_all_blocks_is_dense_causal(dim, group):
     """An index listing every causal block reproduces causal SDPA."""
