@@ -30,6 +30,7 @@ def calibrate(
     min_tokens: Annotated[int, typer.Option(help="Runtime: prompts shorter than this run dense.")] = 1024,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already at --out.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
@@ -42,7 +43,7 @@ def calibrate(
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
-                          resume=resume, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
+                          resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:

@@ -47,6 +47,7 @@ class CalibrateConfig:
     head_space: str = "kv"
     objective: str = "output_error"
     resume: bool = False
+    overwrite: bool = False
     eval_data: str | None = "synthetic:passkey"
     eval_samples: int = 1
     eval_tokens: int | None = None  # held-out length (None: max_tokens)
@@ -166,6 +167,9 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     space = load_space(cfg.search_space)
     if cfg.out.exists() and not cfg.out.is_dir():
         raise ValueError(f"--out {cfg.out} exists and is not a directory")
+    if (cfg.out / "manifest.json").is_file() and not cfg.overwrite:
+        # Checked before the search, not after it: a refusal at the end would waste the whole run.
+        raise FileExistsError(f"--out {cfg.out} already holds an artifact; pass --overwrite to replace it or choose another --out")
     progress.stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:
@@ -247,7 +251,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
                                      tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=cfg.min_tokens)
         manifest["methods"]["mminference"]["fidelity"] = fidelity
     progress.stage("writing artifact")
-    path = write_artifact(cfg.out, manifest, {"heads.parquet": rows})
+    path = write_artifact(cfg.out, manifest, {"heads.parquet": rows}, overwrite=cfg.overwrite)
     png = None
     try:
         from .report.heads_map import draw_heads_map

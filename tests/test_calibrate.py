@@ -170,4 +170,8 @@ def test_cli_refuses_out_holding_another_artifact(tiny_model, space_file, tmp_pa
     before = (tmp_path / "a" / "heads.parquet").read_bytes()
     second = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--data", "synthetic:kv-retrieval"])
     assert second.exit_code == 2, second.output
+    assert "--overwrite" in second.output and "Traceback" not in second.output
     assert (tmp_path / "a" / "heads.parquet").read_bytes() == before
+    third = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--data", "synthetic:kv-retrieval", "--overwrite"])
+    assert third.exit_code == 0, third.output
+    assert (tmp_path / "a" / "heads.parquet").read_bytes() != before
