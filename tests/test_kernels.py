@@ -319,3 +319,12 @@ def test_validate_window_rule_matches_pool_mask():
             if (kb + 1) * bn - 1 <= qb * bm and (kb + 1) * bn <= n:  # causal-safe: only the window rejects it
                 with pytest.raises(ValueError, match="window/sink"):
                     validate(from_block_masks(bad_full, bad_partial, bm, bn, window=window, sink=sink), n)
+
+
+def test_varlen_needs_both_cu_seqlens_in_every_launcher():
+    q = torch.randn(10, 2, 64, device=DEVICE)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="needs both cu_seqlens_q and cu_seqlens_k"):
+        tail_attention(q, q, q, 4, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="needs both cu_seqlens_q and cu_seqlens_k"):
+        block_sparse_attention(q, q, q, random_index(1, 2, 10, 10, 16, 16, device=DEVICE), cu_seqlens_k=cu)

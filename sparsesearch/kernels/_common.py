@@ -7,6 +7,7 @@ TRITON_INTERPRET=1) on a machine without a GPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -135,6 +136,42 @@ def check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total
     if bool((lq > lk).any()):
         raise ValueError(f"a sequence has more queries than keys: q lengths {lq.tolist()}, kv lengths {lk.tolist()}")
     return int(lq.max()), int(lk.max())
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a launcher needs to know of checked dense ([B, H, N, D]) or varlen ([T, H, D]) inputs.
+
+    cu_q / cu_k are the cu_seqlens for varlen, or int32 placeholders the kernel never reads (VARLEN False).
+    """
+
+    varlen: bool
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len_max: int
+    kv_len_max: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def check_layout(q, k, v, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None) -> Layout:
+    """Validate q/k/v (and cu_seqlens when either is given) before any launch; ValueError names the problem."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    check_qkv(q, k, v, varlen)
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
+        q_len_max, kv_len_max = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
+        return Layout(True, cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1], q_len_max, kv_len_max, cu_seqlens_q, cu_seqlens_k)
+    placeholder = torch.zeros(2, dtype=torch.int32, device=q.device)
+    return Layout(False, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], placeholder, placeholder)
+
+
+def bhn_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, token) strides as the kernels address them; varlen tensors [T, H, D] have batch
+    stride 0 (each sequence's start comes from cu_seqlens)."""
+    return (0, t.stride(1), t.stride(0)) if varlen else tuple(t.stride()[:3])
 
 
 def dot_f32(dtype: torch.dtype) -> bool:

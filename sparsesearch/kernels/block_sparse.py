@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex, num_blocks
-from ._common import LOG2E, block_d, dot_f32, check_cu_seqlens, check_qkv, interpreting, load_kv_tile, online_update
+from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpreting, load_kv_tile, online_update
 
 
 @triton.jit
@@ -221,16 +221,9 @@ def block_sparse_attention(
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages) for tuning; None picks per device.
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    check_qkv(q, k, v, varlen)
-    if varlen:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
-        q_len_max, kv_len_max = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
-        batch, q_heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
-    else:
-        batch, q_heads, q_len_max = q.shape[:3]
-        kv_heads, kv_len_max = k.shape[1], k.shape[2]
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
+    q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
     space_heads = kv_heads if index.head_space == "kv" else q_heads
     served = _check_head_map(heads, space_heads, q.device)
     check_index(index, batch, space_heads if served is None else served, q_len_max, q.device)
@@ -239,14 +232,8 @@ def block_sparse_attention(
     lse_shape = (q_heads, q.shape[0]) if varlen else (batch, q_heads, q_len_max)
     out = _check_out("out", out, q.shape, q.dtype, q.device) if out is not None else torch.empty_like(q)
     lse = _check_out("lse", lse, lse_shape, torch.float32, q.device) if lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if varlen:
-        # Batch strides are 0: each sequence's start comes from cu_seqlens.
-        sq, sk, sv, so = (0, q.stride(1), q.stride(0)), (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0)), (0, out.stride(1), out.stride(0))
-        sl = (0, lse.stride(0), lse.stride(1))
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-    else:
-        sq, sk, sv, so, sl = q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride()
-        cu_q = cu_k = index.full_count  # unused placeholders (VARLEN is a constexpr False)
+    sq, sk, sv, so = (bhn_strides(t, varlen) for t in (q, k, v, out))
+    sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     if q_len_max == 0:
         return out, lse
     has_cols = index.col_count is not None
@@ -257,7 +244,7 @@ def block_sparse_attention(
         q, k, v, out, lse,
         index.full_count, index.full_idx, index.partial_count, index.partial_idx,
         index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
-        cu_q, cu_k, heads if served is not None else index.full_count,
+        layout.cu_q, layout.cu_k, heads if served is not None else index.full_count,
         scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(index.full_count), *_index_strides(index.full_idx),

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex
-from ._common import LOG2E, block_d, dot_f32, check_cu_seqlens, check_qkv, interpreting, load_kv_tile, online_update
+from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpreting, load_kv_tile, online_update
 from .block_sparse import block_sparse_attention
 from .merge import merge_partials
 
@@ -125,18 +125,10 @@ def tail_attention(
     """
     if last < 1:
         raise ValueError(f"last must be >= 1, got {last}")
-    varlen = cu_seqlens_q is not None
-    check_qkv(q, k, v, varlen)
-    if varlen:
-        q_len_max, kv_len_max = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], q.device)
-        batch, q_heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
-        sq, sk, sv = (0, q.stride(1), q.stride(0)), (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
-        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-    else:
-        batch, q_heads, q_len_max = q.shape[:3]
-        kv_heads, kv_len_max = k.shape[1], k.shape[2]
-        sq, sk, sv = q.stride()[:3], k.stride()[:3], v.stride()[:3]
-        cu_q = cu_k = torch.zeros(2, dtype=torch.int32, device=q.device)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
+    q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
+    sq, sk, sv = (bhn_strides(t, varlen) for t in (q, k, v))
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     rows = min(last, q_len_max)
@@ -152,7 +144,7 @@ def tail_attention(
     # Same shape of tile as the block-sparse kernel's measured best (4 warps, 2 stages, 64-wide keys).
     config = {"num_warps": 4, "num_stages": 1 if interpreting() else 2}
     _tail_split_fwd[(splits, m_tiles, batch * q_heads)](
-        q, k, v, part_o, part_l, cu_q, cu_k,
+        q, k, v, part_o, part_l, layout.cu_q, layout.cu_k,
         scale * LOG2E, q_len_max, kv_len_max, last, chunk,
         *sq, *sk, *sv,
         *part_o.stride()[:4], *part_l.stride()[:3],
