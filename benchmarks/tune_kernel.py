@@ -13,7 +13,6 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from benchmarks.kernels import bench, computed_density
 from sparsesearch.kernels import block_sparse_attention

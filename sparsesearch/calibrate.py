@@ -159,7 +159,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     """Run the whole job (see the module docstring)."""
     from .artifacts import write_artifact
     from .artifacts.manifest import new_manifest
-    from .data import held_out, load_calibration, sha256_of
+    from .data import load_calibration, sha256_of
     from .models import capture_qkv, load_model
 
     progress = progress or Progress()
@@ -224,10 +224,10 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
                 total.add(t)
             scored = mean_scored([s for s, _, _ in loaded])
             budget = torch.stack([b for _, b, _ in loaded]).mean(0)
-            for r in head_rows(scored, budget, cfg.objective):
-                rows.append(_artifact_row(layer, scope, r, space))
+            chosen = head_rows(scored, budget, cfg.objective)
+            rows.extend(_artifact_row(layer, scope, r, space) for r in chosen)
             if scope == ALL_MODALITIES:
-                layer_errors[layer] = sum(r["output_error"] for r in rows if r["layer"] == layer and r["q_modality"] == ALL_MODALITIES) / max(1, sum(1 for r in rows if r["layer"] == layer and r["q_modality"] == ALL_MODALITIES))
+                layer_errors[layer] = sum(r["output_error"] for r in chosen) / len(chosen)
 
     methods = {"mminference": {
         "table": "heads.parquet",

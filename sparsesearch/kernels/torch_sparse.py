@@ -141,7 +141,7 @@ def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, off
     """Query blocks [start, stop) against every key with the index's admitted set as a mask: (rows x Nk)
     scores per head, the same size as the oracle's chunks. k_sel/v_sel [B, S, Nk, D]: each served query
     head's KV head, in q_ids order."""
-    batch, dim = q.shape[0], q.shape[-1]
+    batch = q.shape[0]
     bm, bn = index.block_m, index.block_n
     rows_, per_row = q_ids.shape
     sl = slice(start, stop)

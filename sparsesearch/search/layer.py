@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, num_blocks
+from ..index import BlockIndex
 from ..patterns import dense, grid, index_entries
 from ..patterns._common import causal_entries
 from ..runtime.plan import HeadGroup
