@@ -89,10 +89,11 @@ def predicate_mask_fn(predicate: Predicate, batch: int, heads: int, q_len: int, 
     return mask
 
 
-def index_mask_fn(index: BlockIndex, q_len: int, kv_len: int, group: int = 1) -> MaskFn:
+def index_mask_fn(index: BlockIndex, q_len: int, kv_len: int, group: int = 1, row_pos: torch.Tensor | None = None) -> MaskFn:
     """Token-level mask an index admits (see index.py for the rules), per query head.
 
     group: query heads per index head when ``index.head_space == "kv"`` (1 otherwise).
+    row_pos: a permuted region's frame (row i admits keys j <= row_pos[i]); None: bottom-right causal.
     """
     offset = kv_len - q_len
     kv_blocks = num_blocks(kv_len, index.block_n)
@@ -108,7 +109,7 @@ def index_mask_fn(index: BlockIndex, q_len: int, kv_len: int, group: int = 1) ->
         q_block = rows // index.block_m
         cols = torch.arange(kv_len, device=device)
         k_block = cols // index.block_n
-        pos = (rows + offset)[:, None]
+        pos = (rows + offset if row_pos is None else row_pos.to(device)[rows])[:, None]
         causal = cols[None, :] <= pos
         token = torch.ones_like(causal)
         if index.window >= 0:

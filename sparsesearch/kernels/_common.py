@@ -81,8 +81,9 @@ def online_update(q, kt, v, ok, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, D
     return m_new, l_i, acc
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> None:
-    """Raise ValueError (before any launch) for shapes, dtypes or devices the kernels do not take."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, region: bool = False) -> None:
+    """Raise ValueError (before any launch) for shapes, dtypes or devices the kernels do not take.
+    region: a permuted modality region (row_pos given) may have more query rows than keys."""
     want = 3 if varlen else 4
     layout = "[T, H, D] (varlen)" if varlen else "[B, H, N, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -111,7 +112,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
     if not varlen and q.shape[0] != k.shape[0]:
         raise ValueError(f"q batch {q.shape[0]} differs from k batch {k.shape[0]}")
-    if not varlen and q.shape[2] > k.shape[2]:
+    if not varlen and not region and q.shape[2] > k.shape[2]:
         raise ValueError(f"q length {q.shape[2]} exceeds kv length {k.shape[2]} (queries are bottom-right aligned)")
 
 

@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..index import BlockIndex, num_blocks
+from ..patterns._common import row_positions
 from ._common import check_qkv
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
@@ -30,12 +31,16 @@ def block_sparse_attention_torch(
     heads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D] (q dtype), lse fp32 [B, Hq, Nq].
 
     heads: int32 [Hs] index-space head ids this call computes (index row i = head heads[i]); others untouched.
+    row_pos: int64 [Nq], a permuted modality region's frame — row i admits keys j <= row_pos[i] (-1: none;
+    patterns/boundary.py). This is the reference path of boundary regions on every device; None: the
+    bottom-right causal frame.
     """
-    check_qkv(q, k, v, varlen=False)
+    check_qkv(q, k, v, varlen=False, region=row_pos is not None)
     batch, q_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -63,7 +68,9 @@ def block_sparse_attention_torch(
     k_tok = torch.nn.functional.pad(k, (0, 0, 0, 1))  # a zero token for padded column slots
     v_tok = torch.nn.functional.pad(v, (0, 0, 0, 1))
     q_blocks = num_blocks(q_len, bm)
-    offset = kv_len - q_len
+    # Key-frame position per query row, padded with -1 (admits nothing) up to whole query blocks.
+    positions = torch.full((q_blocks * bm,), -1, dtype=torch.int64, device=q.device)
+    positions[:q_len] = row_positions(q_len, kv_len, q.device, row_pos)
     widths = (index.full_idx.shape[-1] + index.partial_idx.shape[-1]) * bn + (0 if index.col_idx is None else index.col_idx.shape[-1])
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * widths))
     # Wide lists (most keys listed): a masked matmul over all keys beats gathering them block by block.
@@ -74,9 +81,9 @@ def block_sparse_attention_torch(
     for start in range(0, q_blocks, rows_per_chunk):
         stop = min(q_blocks, start + rows_per_chunk)
         if wide:
-            _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, offset, scale, out, lse)
+            _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, positions, scale, out, lse)
         else:
-            _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse)
+            _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, positions, scale, kb_total, out, lse)
     return out, lse
 
 
@@ -86,7 +93,7 @@ def _lists(count: torch.Tensor, idx: torch.Tensor, pad_value: int) -> tuple[torc
     return torch.where(valid, idx.long(), torch.full_like(idx, pad_value, dtype=torch.long)), valid
 
 
-def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, offset, scale, kb_total, out, lse):
+def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, positions, scale, kb_total, out, lse):
     """Attention of query blocks [start, stop) for every served head. Shapes: R index rows, G query heads per row."""
     batch, dim = q.shape[0], q.shape[-1]
     bm, bn = index.block_m, index.block_n
@@ -120,7 +127,7 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     q_rows[..., : row1 - row0, :] = q[b_ix[..., 0], q_ids[None, :, :, None], torch.arange(row0, row1, device=q.device)].float()
     q_rows = q_rows.view(batch, rows_, per_row, n_chunk, bm, dim)
     scores = torch.einsum("brgcmd,brgckd->brgcmk", q_rows, keys.float()) * scale
-    pos = (torch.arange(start * bm, stop * bm, device=q.device) + offset).view(n_chunk, bm)
+    pos = positions[start * bm : stop * bm].view(n_chunk, bm)
     kp = key_pos[:, :, None, :, None, :]
     ok = key_ok[:, :, None, :, None, :] & (kp <= pos[None, None, None, :, :, None])
     if index.window >= 0:
@@ -137,7 +144,7 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     lse[:, heads_flat, row0:row1] = row_lse[..., :n_rows].reshape(batch, -1, n_rows)
 
 
-def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, offset, scale, out, lse):
+def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, positions, scale, out, lse):
     """Query blocks [start, stop) against every key with the index's admitted set as a mask: (rows x Nk)
     scores per head, the same size as the oracle's chunks. k_sel/v_sel [B, S, Nk, D]: each served query
     head's KV head, in q_ids order."""
@@ -157,7 +164,7 @@ def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, off
     in_part.scatter_(-1, part, part_ok)
     key_full, key_part = in_full[..., kb], in_part[..., kb]
     row0, row1 = start * bm, min(q_len, stop * bm)
-    pos = torch.arange(row0, stop * bm, device=q.device) + offset  # [C*bm]
+    pos = positions[row0 : stop * bm]  # [C*bm]
     cols = torch.arange(kv_len, device=q.device)
     causal = cols[None, :] <= pos[:, None]  # [C*bm, Nk]
     token = causal

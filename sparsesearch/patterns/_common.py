@@ -1,8 +1,9 @@
 """Helpers shared by the pattern modules: parameter checks, query-block bounds, list packing, density
 arithmetic, the last-queries attention estimate and ASCII drawing.
 
-Positions follow ``index.py``: query row ``i`` sits at absolute position ``pos = i + kv_len - q_len``.
-Nothing here builds a token x token tensor.
+Positions follow ``index.py``: query row ``i`` sits at absolute position ``pos = i + kv_len - q_len``;
+in a permuted modality region (patterns/boundary.py) it sits at ``row_pos[i]`` instead, and every helper
+that takes ``row_pos`` works in that frame. Nothing here builds a token x token tensor.
 """
 
 from __future__ import annotations
@@ -39,13 +40,30 @@ def check_lengths(q_len: int, kv_len: int | None) -> int:
     return kv_len
 
 
+def check_frame(q_len: int, kv_len: int | None, row_pos: torch.Tensor | None) -> int:
+    """kv_len after checking the frame: bottom-right causal (check_lengths) or, with row_pos, a region —
+    any q_len, kv_len >= 1 and row_pos int [q_len], nondecreasing, within [-1, kv_len - 1]."""
+    if row_pos is None:
+        return check_lengths(q_len, kv_len)
+    kv_len = q_len if kv_len is None else kv_len
+    check_int("q_len", q_len, 1)
+    check_int("kv_len", kv_len, 1)
+    if row_pos.dim() != 1 or row_pos.numel() != q_len or row_pos.dtype.is_floating_point:
+        raise ValueError(f"row_pos must be an int tensor [{q_len}], got {row_pos.dtype} {tuple(row_pos.shape)}")
+    if q_len > 1 and bool((row_pos[1:] < row_pos[:-1]).any()):
+        raise ValueError("row_pos must be nondecreasing (rows keep their original order within a region)")
+    if int(row_pos.min()) < -1 or int(row_pos.max()) >= kv_len:
+        raise ValueError(f"row_pos values must lie in [-1, {kv_len - 1}], got [{int(row_pos.min())}, {int(row_pos.max())}]")
+    return kv_len
+
+
 def check_head_space(head_space: str) -> None:
     if head_space not in HEAD_SPACES:
         raise ValueError(f"head_space must be one of {HEAD_SPACES}, got {head_space!r}")
 
 
-def check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
-    """Check q [B, Hq, Nq, D], k [B, Hkv, Nk, D]; return (Hq, Hkv, Nq, Nk)."""
+def check_qk(q: torch.Tensor, k: torch.Tensor, row_pos: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Check q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (and the frame, see check_frame); return (Hq, Hkv, Nq, Nk)."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, H, N, D], got shapes {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
@@ -53,7 +71,7 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
     q_heads, kv_heads = q.shape[1], k.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    check_lengths(q.shape[2], k.shape[2])
+    check_frame(q.shape[2], k.shape[2], row_pos)
     return q_heads, kv_heads, q.shape[2], k.shape[2]
 
 
@@ -61,14 +79,33 @@ def check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def query_block_bounds(
-    q_len: int, kv_len: int, block_m: int, device: torch.device | str | None = None
+    q_len: int, kv_len: int, block_m: int, device: torch.device | str | None = None, row_pos: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute positions of the first and last valid row of every query block: two int64 [QB]."""
-    offset = kv_len - q_len
+    """Key-frame positions of the first and last valid row of every query block: two int64 [QB].
+
+    row_pos: int64 [q_len], nondecreasing, the position of each query row in the key frame (row i admits
+    keys j <= row_pos[i]; -1 admits none) — a permuted modality region (patterns/boundary.py). None: the
+    bottom-right causal frame, row_pos[i] = i + kv_len - q_len.
+    """
     start = torch.arange(num_blocks(q_len, block_m), device=device, dtype=torch.int64) * block_m
-    first = start + offset
-    last = torch.clamp(start + block_m, max=q_len) - 1 + offset
-    return first, last
+    stop = torch.clamp(start + block_m, max=q_len) - 1
+    if row_pos is not None:
+        row_pos = row_pos.to(device=start.device, dtype=torch.int64)
+        return row_pos[start], row_pos[stop]
+    offset = kv_len - q_len
+    return start + offset, stop + offset
+
+
+def row_positions(q_len: int, kv_len: int, device: torch.device | str | None = None, row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [q_len]: row_pos itself, or the bottom-right causal frame's i + kv_len - q_len."""
+    if row_pos is not None:
+        return row_pos.to(device=device, dtype=torch.int64)
+    return torch.arange(q_len, device=device, dtype=torch.int64) + (kv_len - q_len)
+
+
+def max_block_span(first: torch.Tensor, last: torch.Tensor, block_m: int) -> int:
+    """Largest last - first + 1 over query blocks (block_m in the causal frame; more in a region)."""
+    return max(block_m, int((last - first).max().item()) + 1) if first.numel() else block_m
 
 
 def full_block(kb: torch.Tensor, first_pos: torch.Tensor, kv_len: int, block_n: int) -> torch.Tensor:
@@ -174,13 +211,18 @@ def block_entries(first_pos: torch.Tensor, last_pos: torch.Tensor, key_lo: torch
     return torch.where(rows > 0, total, torch.zeros_like(total))
 
 
-def index_entries(index: BlockIndex, q_len: int, kv_len: int | None = None, *, row_stop: int | None = None) -> int:
+def index_entries(
+    index: BlockIndex, q_len: int, kv_len: int | None = None, *, row_stop: int | None = None, row_pos: torch.Tensor | None = None
+) -> int:
     """Causal (row, key) pairs the kernel computes for this index, summed over batch and heads.
 
     Listed blocks count all their causal, in-range entries (the kernel computes whole blocks; a partial
     block's window mask does not save work); gathered columns count the causal rows of their query block.
     Only query rows below ``row_stop`` count (all rows when None). Arithmetic on counts, no dense mask.
+    With ``row_pos`` (a permuted region, see ``query_block_bounds``) rows are counted one by one.
     """
+    if row_pos is not None:
+        return _region_entries(index, q_len, kv_len or q_len, row_pos, q_len if row_stop is None else min(row_stop, q_len))
     kv_len = check_lengths(q_len, kv_len)
     row_stop = q_len if row_stop is None else min(row_stop, q_len)
     offset = kv_len - q_len
@@ -203,6 +245,33 @@ def index_entries(index: BlockIndex, q_len: int, kv_len: int | None = None, *, r
     return int(total.item())
 
 
+def region_causal_entries(row_pos: torch.Tensor) -> int:
+    """Causal (row, key) pairs of a region: sum of (row_pos + 1), rows at -1 admitting none."""
+    return int((row_pos.long() + 1).clamp(min=0).sum().item())
+
+
+def _region_entries(index: BlockIndex, q_len: int, kv_len: int, row_pos: torch.Tensor, row_stop: int) -> int:
+    """index_entries for a region: per row, min(row_pos, block end) - block start + 1 keys of each listed
+    block and each gathered column <= row_pos. Chunked over query blocks: O(chunk x list width) memory."""
+    pos = torch.full((index.q_blocks * index.block_m,), -1, dtype=torch.int64, device=index.device)
+    pos[:row_stop] = row_pos.to(index.device, torch.int64)[:row_stop]
+    pos = pos.view(index.q_blocks, index.block_m)  # [QB, bm], padded rows admit nothing
+    total = 0
+    chunk = max(1, 2**22 // max(1, index.batch * index.heads * index.block_m * (index.full_idx.shape[-1] + index.partial_idx.shape[-1] + (0 if index.col_idx is None else index.col_idx.shape[-1]))))
+    for start in range(0, index.q_blocks, chunk):
+        sl = slice(start, start + chunk)
+        p = pos[sl][None, None, :, None, :]  # [1, 1, C, 1, bm]
+        for count, idx in ((index.full_count, index.full_idx), (index.partial_count, index.partial_idx)):
+            valid = (torch.arange(idx.shape[-1], device=idx.device) < count[:, :, sl].unsqueeze(-1))[..., None]
+            lo = (idx[:, :, sl].long() * index.block_n)[..., None]
+            hi = torch.clamp(lo + index.block_n - 1, max=kv_len - 1)
+            total += int(torch.where(valid, (torch.minimum(hi, p) - lo + 1).clamp(min=0), 0).sum().item())
+        if index.col_count is not None:
+            valid = (torch.arange(index.col_idx.shape[-1], device=index.device) < index.col_count[:, :, sl].unsqueeze(-1))[..., None]
+            total += int((valid & (index.col_idx[:, :, sl].long()[..., None] <= p)).sum().item())
+    return total
+
+
 def index_density(index: BlockIndex, q_len: int, kv_len: int | None = None) -> float:
     """Fraction of the causal attention matrix the kernel computes for ``index`` (mean over batch, heads)."""
     kv_len = check_lengths(q_len, kv_len)
@@ -221,6 +290,7 @@ def last_q_sums(
     head_space: str = "query",
     scale: float | None = None,
     diagonals: bool = True,
+    row_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Column and diagonal sums of softmax(Q[-last_q:] K^T * scale) with the causal corner masked.
 
@@ -230,7 +300,7 @@ def last_q_sums(
     taken first). Memory O(Hq x last_q x Nk); K is never repeated.
     """
     check_head_space(head_space)
-    q_heads, kv_heads, q_len, kv_len = check_qk(q, k)
+    q_heads, kv_heads, q_len, kv_len = check_qk(q, k, row_pos)
     batch, dim = q.shape[0], q.shape[3]
     group = q_heads // kv_heads
     rows = min(last_q, q_len)
@@ -238,13 +308,19 @@ def last_q_sums(
     tail = q[:, :, q_len - rows:].float().reshape(batch, kv_heads, group * rows, dim)
     scores = (tail @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*rows, Nk]
     scores = scores.view(batch, kv_heads, group, rows, kv_len)
-    pos = torch.arange(kv_len - rows, kv_len, device=q.device)
+    pos = row_positions(q_len, kv_len, q.device, row_pos)[q_len - rows:]
     keys = torch.arange(kv_len, device=q.device)
     causal = keys[None, :] <= pos[:, None]  # [rows, Nk]: O(last_q x Nk)
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    # nan_to_num: a region row with no visible key (row_pos -1) has an all -inf row and counts nothing.
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).nan_to_num(0.0)
     columns = probs.sum(dim=3)  # [B, Hkv, G, Nk]
     diag = None
-    if diagonals:
+    if diagonals and row_pos is not None:
+        # Region rows are not consecutive positions: gather offset d = pos - j per row directly.
+        src = pos[:, None] - keys[None, :]  # [rows, Nk]: key of offset d for each row
+        gathered = probs.gather(-1, src.clamp(min=0).expand(*probs.shape[:-2], rows, kv_len))
+        diag = torch.where(src >= 0, gathered, 0.0).sum(dim=-2)
+    elif diagonals:
         # Skew trick: left-pad each row by `rows` zeros, flatten, re-view with one more column per row;
         # row r shifts left by r, so key j of row r lands in column rows + j - r = rows + (kv_len - rows) - d.
         padded = torch.nn.functional.pad(probs, (rows, 0))  # [..., rows, rows + Nk]

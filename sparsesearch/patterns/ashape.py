@@ -21,7 +21,7 @@ import torch
 from ..index import BlockIndex, num_blocks
 from ._common import (
     ascii_blocks, ascii_mask, causal_entries, check_int, check_lengths, expand_heads, full_block,
-    index_entries, index_from_candidates, predicate_grid, query_block_bounds,
+    check_frame, index_entries, index_from_candidates, max_block_span, predicate_grid, query_block_bounds,
 )
 
 NAME = "ashape"
@@ -51,7 +51,8 @@ def predicate(params: AShapeParams):
 
 
 def stream_candidates(
-    sink: int, local: int, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device | str | None
+    sink: int, local: int, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device | str | None,
+    row_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Candidate key blocks of the sink + window pattern per query block: (ids, valid, is_full), [QB, C].
 
@@ -59,15 +60,17 @@ def stream_candidates(
     blocks [0, ceil(sink / block_n)) and the window blocks [max(first - local + 1, 0) // block_n, ...],
     both cut at the causal edge last // block_n. The window interval starts after the sink interval, so
     the concatenation is ascending and repeat-free. C = O((sink + local) / block_n): no [QB, KB] tensor.
+    In a region (row_pos) a query block can span more than block_m positions; the window widens to match.
     """
     kv_blocks = num_blocks(kv_len, block_n)
-    first, last = query_block_bounds(q_len, kv_len, block_m, device)
+    first, last = query_block_bounds(q_len, kv_len, block_m, device, row_pos)
+    span = max_block_span(first, last, block_m)
     first, last = first[:, None], last[:, None]
     edge = last // block_n  # last key block with a causal key
     sink_blocks = min(num_blocks(sink, block_n), kv_blocks)
     sink_ids = torch.arange(sink_blocks, device=device, dtype=torch.int64)[None, :].expand(first.shape[0], sink_blocks)
     window_start = torch.clamp(torch.clamp(first - local + 1, min=0) // block_n, min=sink_blocks)
-    window_width = min(kv_blocks, (local + block_m - 2) // block_n + 2)
+    window_width = min(kv_blocks, (local + span - 2) // block_n + 2)
     window_ids = window_start + torch.arange(window_width, device=device, dtype=torch.int64)[None, :]
     ids = torch.cat([sink_ids, window_ids], dim=1)
     valid = ids <= edge
@@ -88,10 +91,12 @@ def build_index(
     block_n: int = 64,
     head_space: str = "query",
     device: torch.device | str | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> BlockIndex:
-    """Exact A-shape index (window/sink set), the same for every (batch, head): expanded views of [1, 1, QB, *]."""
-    kv_len = check_lengths(q_len, kv_len)
-    ids, valid, is_full = stream_candidates(params.sink, params.local, q_len, kv_len, block_m, block_n, device)
+    """Exact A-shape index (window/sink set), the same for every (batch, head): expanded views of [1, 1, QB, *].
+    row_pos: a permuted region's frame — the window then counts keys back from each row's frontier."""
+    kv_len = check_frame(q_len, kv_len, row_pos)
+    ids, valid, is_full = stream_candidates(params.sink, params.local, q_len, kv_len, block_m, block_n, device, row_pos)
     index = index_from_candidates(
         ids[None, None], valid[None, None], is_full[None, None], num_blocks(kv_len, block_n), block_m, block_n,
         head_space=head_space, window=params.local, sink=params.sink, meta={"pattern": NAME},

@@ -54,6 +54,7 @@ class BlockSelection:
     block_m: int
     block_n: int
     head_space: str
+    row_pos: torch.Tensor | None = None  # a permuted region's frame (None: bottom-right causal)
 
 
 def _pool(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -74,20 +75,22 @@ def select(
     head_space: str = "query",
     block_m: int = 64,
     block_n: int = 64,
+    row_pos: torch.Tensor | None = None,
 ) -> BlockSelection:
-    """Block selection from q [B, Hq, Nq, D] and k [B, Hkv, Nk, D]; memory O(QB x KB) per head."""
+    """Block selection from q [B, Hq, Nq, D] and k [B, Hkv, Nk, D]; memory O(QB x KB) per head.
+    row_pos: a permuted region's frame; "diagonal" blocks are then those of each row's frontier."""
     check_head_space(head_space)
-    q_heads, kv_heads, q_len, kv_len = check_qk(q, k)
+    q_heads, kv_heads, q_len, kv_len = check_qk(q, k, row_pos)
     batch, group = q.shape[0], q_heads // kv_heads
     pooled_q = _pool(q, block_m)  # [B, Hq, QB, D]
     pooled_k = _pool(k, block_n)  # [B, Hkv, KB, D]
     q_blocks, kv_blocks = pooled_q.shape[2], pooled_k.shape[2]
     scores = pooled_q.view(batch, kv_heads, group, q_blocks, -1) @ pooled_k[:, :, None].transpose(-1, -2)
     scores = scores.sum(2) if head_space == "kv" else scores.reshape(batch, q_heads, q_blocks, kv_blocks)
-    first, last = query_block_bounds(q_len, kv_len, block_m, q.device)
+    first, last = query_block_bounds(q_len, kv_len, block_m, q.device, row_pos)
     kb = torch.arange(kv_blocks, device=q.device)[None, :]
     causal = kb * block_n <= last[:, None]
-    forced = ((kb < params.sink_blocks) | (kb >= (first // block_n)[:, None])) & causal
+    forced = ((kb < params.sink_blocks) | (kb >= (first.clamp(min=0) // block_n)[:, None])) & causal
     candidates = scores.masked_fill(~(causal & ~forced), float("-inf"))
     chosen = torch.zeros_like(causal).expand_as(scores).clone()
     take = min(params.k_blocks, kv_blocks)
@@ -95,13 +98,13 @@ def select(
         ids = top_ids(candidates, take)
         chosen.scatter_(-1, ids, True)
     blocks = (chosen & causal & ~forced) | forced
-    return BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space)
+    return BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space, row_pos)
 
 
 def index_from_selection(selection: BlockSelection) -> BlockIndex:
     """BlockIndex of a selection (window off): full when wholly causal and in range, partial otherwise."""
     s = selection
-    first, _ = query_block_bounds(s.q_len, s.kv_len, s.block_m, s.blocks.device)
+    first, _ = query_block_bounds(s.q_len, s.kv_len, s.block_m, s.blocks.device, s.row_pos)
     kv_blocks = s.blocks.shape[-1]
     kb = torch.arange(kv_blocks, device=s.blocks.device)
     is_full = full_block(kb[None, :], first[:, None], s.kv_len, s.block_n)
@@ -119,9 +122,10 @@ def build_index(
     head_space: str = "query",
     block_m: int = 64,
     block_n: int = 64,
+    row_pos: torch.Tensor | None = None,
 ) -> BlockIndex:
     """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``)."""
-    return index_from_selection(select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n))
+    return index_from_selection(select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n, row_pos=row_pos))
 
 
 def predicate(params: BlockTopKParams, selection: BlockSelection, group: int = 1):

@@ -14,7 +14,7 @@ import torch
 from ..index import BlockIndex, num_blocks
 from ._common import (
     ascii_blocks, ascii_mask, check_lengths, expand_heads, full_block, index_from_candidates,
-    predicate_grid, query_block_bounds,
+    predicate_grid, query_block_bounds, check_frame,
 )
 
 NAME = "dense"
@@ -46,14 +46,16 @@ def build_index(
     block_n: int = 64,
     head_space: str = "query",
     device: torch.device | str | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> BlockIndex:
     """Causal block index, the same for every (batch, head): tensors are expanded views of [1, 1, QB, *].
 
-    Lists are O(QB x KB) by nature (dense attention loads every causal block).
+    Lists are O(QB x KB) by nature (dense attention loads every causal block). row_pos: a permuted
+    region's frame (see _common.query_block_bounds).
     """
-    kv_len = check_lengths(q_len, kv_len)
+    kv_len = check_frame(q_len, kv_len, row_pos)
     kv_blocks = num_blocks(kv_len, block_n)
-    first, last = query_block_bounds(q_len, kv_len, block_m, device)
+    first, last = query_block_bounds(q_len, kv_len, block_m, device, row_pos)
     kb = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :]
     ids = kb.expand(first.numel(), kv_blocks)
     valid = kb * block_n <= last[:, None]

@@ -32,7 +32,7 @@ import torch
 from ..index import BlockIndex, num_blocks, pack_lists
 from ._common import (
     ascii_blocks, ascii_mask, causal_entries, check_int, check_lengths, full_block,
-    index_entries, last_q_sums, query_block_bounds, top_ids,
+    check_frame, index_entries, last_q_sums, query_block_bounds, top_ids,
 )
 
 NAME = "vertical_slash"
@@ -65,6 +65,7 @@ class VSLines:
     q_len: int
     kv_len: int
     head_space: str
+    row_pos: torch.Tensor | None = None  # a permuted region's frame (None: bottom-right causal)
 
 
 def estimate(
@@ -74,15 +75,17 @@ def estimate(
     *,
     head_space: str = "query",
     scale: float | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> VSLines:
-    """Vertical and slash lines from q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] (see the module docstring)."""
-    columns, diagonals = last_q_sums(q, k, params.last_q, head_space=head_space, scale=scale)
+    """Vertical and slash lines from q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] (see the module docstring).
+    row_pos: a permuted region's frame; slash offsets are then counted back from each row's frontier."""
+    columns, diagonals = last_q_sums(q, k, params.last_q, head_space=head_space, scale=scale, row_pos=row_pos)
     q_len, kv_len = q.shape[2], k.shape[2]
     columns[..., : params.force_vertical] = float("inf")
     diagonals[..., : params.force_slash] = float("inf")
     vertical = top_ids(columns, min(max(params.vertical_size, params.force_vertical), kv_len))
     slash = top_ids(diagonals, min(max(params.slash_size, params.force_slash), kv_len))
-    return VSLines(vertical, slash, q_len, kv_len, head_space)
+    return VSLines(vertical, slash, q_len, kv_len, head_space, row_pos)
 
 
 def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) -> BlockIndex:
@@ -93,11 +96,11 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) ->
     (m, kb) at once. Working memory: a few bytes per (B, H, QB, KB) block pair plus the per-block
     vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines.
     """
-    q_len, kv_len = lines.q_len, check_lengths(lines.q_len, lines.kv_len)
+    q_len, kv_len = lines.q_len, check_frame(lines.q_len, lines.kv_len, lines.row_pos)
     device = lines.slash.device
     batch, heads = lines.slash.shape[:2]
     kv_blocks = num_blocks(kv_len, block_n)
-    p0, p1 = query_block_bounds(q_len, kv_len, block_m, device)
+    p0, p1 = query_block_bounds(q_len, kv_len, block_m, device, lines.row_pos)
     p0, p1 = p0[:, None], p1[:, None]  # [QB, 1]
     k0 = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :] * block_n
     k1 = torch.clamp(k0 + block_n - 1, max=kv_len - 1)
@@ -136,9 +139,10 @@ def build_index(
     block_m: int = 64,
     block_n: int = 64,
     scale: float | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> BlockIndex:
     """estimate + index_from_lines."""
-    lines = estimate(params, q, k, head_space=head_space, scale=scale)
+    lines = estimate(params, q, k, head_space=head_space, scale=scale, row_pos=row_pos)
     return index_from_lines(lines, block_m=block_m, block_n=block_n)
 
 

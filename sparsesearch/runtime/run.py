@@ -102,20 +102,25 @@ class Runner:
         out[:, :, n - rows :] = tail.to(out.dtype)
 
 
-def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
+def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str, row_pos: torch.Tensor | None = None) -> BlockIndex:
     """The index one head group runs with: static patterns from the shape, dynamic ones estimated from
-    the group's own q/k heads (q [B, Hq, N, D], k [B, Hkv, N, D]; the result has len(g.heads) heads)."""
+    the group's own q/k heads (q [B, Hq, Nq, D], k [B, Hkv, Nk, D]; the result has len(g.heads) heads).
+    row_pos: a permuted modality region's frame (patterns/boundary.py); grid needs the identity frame."""
     n, batch = q.shape[2], q.shape[0]
+    if row_pos is not None and g.pattern in ("grid", "triangle"):
+        raise ValueError(f"{g.pattern} has no region form; it applies to intra-modality regions only")
+    frame = {} if row_pos is None else {"row_pos": row_pos}
     if g.pattern in STATIC:
         return STATIC[g.pattern].build_index(
-            g.params, n, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n, head_space=space, device=q.device
+            g.params, n, k.shape[2], batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n,
+            head_space=space, device=q.device, **frame,
         )
     group = q.shape[1] // k.shape[1]
     q_ids = torch.tensor(_query_heads(g.heads, space, group), device=q.device)
     # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
     kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
     return DYNAMIC[g.pattern].build_index(
-        g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space, block_m=g.block_m, block_n=g.block_n
+        g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space, block_m=g.block_m, block_n=g.block_n, **frame
     )
 
 
@@ -125,8 +130,15 @@ def _query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
     return [h * group + i for h in heads for i in range(group)]
 
 
-def sparse_attend(q, k, v, index, scale, heads, out, lse) -> None:
-    """One launch over the heads of `heads`: Triton on CUDA, the index-driven torch backend on CPU."""
+def sparse_attend(q, k, v, index, scale, heads, out, lse, row_pos=None) -> None:
+    """One launch over the heads of `heads`: Triton on CUDA, the index-driven torch backend on CPU and
+    for permuted regions (row_pos given) on every device — their reference path until the permutation
+    kernels exist."""
+    if row_pos is not None:
+        from ..kernels.torch_sparse import block_sparse_attention_torch
+
+        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos)
+        return
     if q.is_cuda:
         from ..kernels import block_sparse_attention
 

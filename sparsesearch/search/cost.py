@@ -7,6 +7,8 @@ build_s) -> float64 [H]`` (milliseconds per head), so the search prunes the same
   patterns are cached per (device, shape, pattern, density) in memory and in a JSON file.
 - ``AnalyticCost`` models the kernel as its computed elements at a nominal rate (4·D FLOPs per element)
   plus, for dynamic patterns, the last_q x N estimate; it is what a CPU run records, labelled modelled.
+  Permuted modality regions are costed with it on every device (``analytic_ms``): they run on the torch
+  reference path until the permutation kernels exist, and timing that path would rank nothing real.
 """
 
 from __future__ import annotations
@@ -31,15 +33,20 @@ class CostModel(Protocol):
     def cost_ms(self, pattern: str, density: torch.Tensor, n: int, q: torch.Tensor, index, run: Callable[[], None], build_s: float) -> torch.Tensor: ...
 
 
+def analytic_ms(pattern: str, entries: torch.Tensor, dim: int, kv_len: int) -> torch.Tensor:
+    """Modelled milliseconds per head: computed entries x 4·D FLOPs at NOMINAL_FLOPS, plus the last-queries
+    estimate (ESTIMATE_ROWS x kv_len) for dynamic patterns. entries: float64 [H]."""
+    per_head = entries.double() * 4 * dim / NOMINAL_FLOPS * 1e3
+    if pattern in DYNAMIC:
+        per_head = per_head + 2 * ESTIMATE_ROWS * kv_len * dim / NOMINAL_FLOPS * 1e3
+    return per_head
+
+
 class AnalyticCost:
     kind = "analytic"
 
     def cost_ms(self, pattern, density, n, q, index, run, build_s) -> torch.Tensor:
-        dim = q.shape[-1]
-        per_head = density.double() * causal_entries(n) * 4 * dim / NOMINAL_FLOPS * 1e3
-        if pattern in DYNAMIC:
-            per_head = per_head + 2 * ESTIMATE_ROWS * n * dim / NOMINAL_FLOPS * 1e3
-        return per_head
+        return analytic_ms(pattern, density.double() * causal_entries(n), q.shape[-1], n)
 
 
 class MeasuredCost:

@@ -20,10 +20,10 @@ import torch
 
 from ..index import BlockIndex
 from ..patterns import dense, grid, index_entries
-from ..patterns._common import causal_entries
+from ..patterns._common import causal_entries, region_causal_entries
 from ..runtime.plan import HeadGroup
 from ..runtime.run import build_group_index, sparse_attend
-from .cost import CostModel
+from .cost import CostModel, analytic_ms
 from .space import Candidate, SearchSpace
 
 OBJECTIVES = ("output_error", "mass_recall")
@@ -58,9 +58,9 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
-def head_density(index: BlockIndex, n: int) -> torch.Tensor:
-    """Computed fraction of the causal matrix, per index head: float64 [H]."""
-    total = causal_entries(n)
+def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Computed fraction of the causal matrix (of a region's, with row_pos), per index head: float64 [H]."""
+    total = causal_entries(n) if row_pos is None else region_causal_entries(row_pos)
     out = []
     for h in range(index.heads):
         one = BlockIndex(
@@ -69,16 +69,24 @@ def head_density(index: BlockIndex, n: int) -> torch.Tensor:
             None if index.col_count is None else index.col_count[:, h : h + 1],
             None if index.col_idx is None else index.col_idx[:, h : h + 1], index.window, index.sink,
         )
-        out.append(index_entries(one, n) / total)
+        out.append(index_entries(one, n, kv_len, row_pos=row_pos) / max(1, total))
     return torch.tensor(out, dtype=torch.float64)
 
 
-def dense_reference(q, k, v, space: str, block: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense causal (out, lse): out [1, Hq, N, D], lse fp32 [1, Hq, N]. On a GPU through our kernel with an
+def dense_reference(q, k, v, space: str, block: int, scale: float, row_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal (out, lse): out [1, Hq, Nq, D], lse fp32 [1, Hq, Nq]. On a GPU through our kernel with an
     all-causal index; on a CPU through torch's own flash kernel (which also returns lse, ~5x faster here
-    than the index-driven torch backend on a dense index)."""
+    than the index-driven torch backend on a dense index). A permuted region (row_pos) takes the torch
+    reference path with its dense index, blockwise."""
     n = q.shape[2]
     cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if row_pos is not None:
+        heads = k.shape[1] if space == "kv" else q.shape[1]
+        index = dense.build_index(None, n, k.shape[2], heads=heads, block_m=block, block_n=block, head_space=space, device=q.device, row_pos=row_pos)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        sparse_attend(q, k, v, index, scale, torch.arange(heads, dtype=torch.int32), out, lse, row_pos)
+        return out, lse
     if not q.is_cuda and cpu_flash is not None:
         group = q.shape[1] // k.shape[1]
         # The CPU op has no GQA mode; K/V are repeated for this one reference call (not a kernel path).
@@ -100,14 +108,16 @@ def _per_space_head(x: torch.Tensor, space: str, group: int) -> torch.Tensor:
 
 def score_candidate(
     candidate: Candidate, resolved, q, k, v, ref_out, ref_lse, space: str, block_m: int, block_n: int,
-    scale: float, costs: CostModel, timings: Timings, budget: torch.Tensor | None = None,
+    scale: float, costs: CostModel, timings: Timings, budget: torch.Tensor | None = None, row_pos: torch.Tensor | None = None,
 ) -> Scored:
-    """Build, cost, run and score one candidate for every head of the layer.
+    """Build, cost, run and score one candidate for every head of the layer (or of one permuted region,
+    row_pos given: costed by the analytic model, run on the reference path).
 
     Pruning comes first: the index alone gives each head's cost, and heads over `budget` are not run —
     when no head is within budget the candidate's attention is never computed (error inf, recall 0).
     With ref_out None only the cost is wanted (the target pattern)."""
     n, q_heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
+    kv_len = k.shape[2]
     group = q_heads // kv_heads
     heads = kv_heads if space == "kv" else q_heads
     groups = _head_groups(candidate, resolved, q, k, space, heads, block_m, block_n)
@@ -119,21 +129,24 @@ def score_candidate(
     ran = torch.zeros(heads, dtype=torch.bool)
     for g in groups:
         start = time.perf_counter()
-        index = build_group_index(g, q, k, space)
+        index = build_group_index(g, q, k, space, row_pos)
         _sync(q)
         build_s = time.perf_counter() - start
         timings.index_s += build_s
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-        dens = head_density(index, n)
+        dens = head_density(index, n, kv_len, row_pos)
         density[list(g.heads)] = dens
-        cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, n, q, index, lambda: sparse_attend(q, k, v, index, scale, ids, out, lse), build_s)
+        if row_pos is None:
+            cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, n, q, index, lambda: sparse_attend(q, k, v, index, scale, ids, out, lse), build_s)
+        else:
+            cost[list(g.heads)] = analytic_ms(g.pattern, dens * region_causal_entries(row_pos), q.shape[-1], kv_len)
         for h in g.heads:
             params[h] = g.params
         within = budget is None or bool((cost[list(g.heads)] <= budget[list(g.heads)]).any())
         if ref_out is None or not within:
             continue
         start = time.perf_counter()
-        sparse_attend(q, k, v, index, scale, ids, out, lse)
+        sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)
         _sync(q)
         timings.kernel_s += time.perf_counter() - start
         ran[list(g.heads)] = True
@@ -141,15 +154,22 @@ def score_candidate(
         inf = torch.full((heads,), float("inf"), dtype=torch.float64)
         return Scored(candidate, params, inf, torch.zeros(heads, dtype=torch.float64), density, cost)
     start = time.perf_counter()
-    diff = (out.float() - ref_out.float()).pow(2).sum(dim=(0, 2, 3))
-    norm = ref_out.float().pow(2).sum(dim=(0, 2, 3))
-    error = (_per_space_head(diff, space, group) / _per_space_head(norm, space, group).clamp_min(1e-30)).sqrt()
-    kept = torch.exp((lse - ref_lse).clamp(max=0.0)).nan_to_num(0.0).mean(dim=(0, 2))
-    recall = _per_space_head(kept, space, group) / (group if space == "kv" else 1)
-    error, recall = error.double().cpu(), recall.double().cpu()
+    error, recall = output_error(out, lse, ref_out, ref_lse, space, group)
     error[~ran], recall[~ran] = float("inf"), 0.0  # heads of groups that were pruned
     timings.objective_s += time.perf_counter() - start
     return Scored(candidate, params, error, recall, density, cost)
+
+
+def output_error(out, lse, ref_out, ref_lse, space: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head of the space (float64 [H], CPU): relative L2 error of out [1, Hq, N, D] against the dense
+    ref_out, and the attention mass kept, mean over rows of exp(lse - ref_lse) (rows the dense attention
+    gives no key, lse -inf on both sides, count as kept)."""
+    diff = (out.float() - ref_out.float()).pow(2).sum(dim=(0, 2, 3))
+    norm = ref_out.float().pow(2).sum(dim=(0, 2, 3))
+    error = (_per_space_head(diff, space, group) / _per_space_head(norm, space, group).clamp_min(1e-30)).sqrt()
+    kept = torch.exp((lse - ref_lse).clamp(max=0.0)).nan_to_num(1.0).mean(dim=(0, 2))
+    recall = _per_space_head(kept, space, group) / (group if space == "kv" else 1)
+    return error.double().cpu(), recall.double().cpu()
 
 
 def _head_groups(candidate, resolved, q, k, space, heads, block_m, block_n) -> list[HeadGroup]:
@@ -190,27 +210,32 @@ def choose(scored: list[Scored], budget: torch.Tensor, objective: str) -> list[t
 def score_layer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, space: SearchSpace, costs: CostModel, *,
     head_space: str = "query", modality: str = "text", frame_stride: int | None = None, scale: float | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> tuple[list[Scored], torch.Tensor, Timings]:
-    """Score every applicable candidate of the space on one layer. Returns (scored, budget_ms [H], times)."""
-    n = q.shape[2]
+    """Score every applicable candidate of the space on one layer, or on one permuted modality region of
+    it (q rows [1, Hq, Nq, D] and keys k/v [1, Hkv, Nk, D] gathered, row_pos their frame: grid candidates
+    do not apply there, token counts scale with Nk, the budget is the target's cost on the same region).
+    Returns (scored, budget_ms [H], times)."""
+    n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     timings = Timings()
     start = time.perf_counter()
     block = space.block_m if space.block_m == space.block_n else 64
-    ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale)
+    ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale, row_pos)
     _sync(q)
     timings.kernel_s += time.perf_counter() - start
     target = score_candidate(space.target, space.resolve(space.target, n), q, k, v, None, None, head_space,
-                             space.block_m, space.block_n, scale, costs, Timings())
+                             space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
     budget = target.cost_ms * (1.0 + space.budget_slack)
     scored = []
     for cand in space.candidates:
-        if not space.applies_to(cand, modality):
+        if not space.applies_to(cand, modality) or (row_pos is not None and cand.pattern == "grid"):
             continue
         resolved = space.resolve(cand, n, frame_stride=frame_stride)
         if resolved is None:
             continue
-        scored.append(score_candidate(cand, resolved, q, k, v, ref_out, ref_lse, head_space, space.block_m, space.block_n, scale, costs, timings, budget))
+        scored.append(score_candidate(cand, resolved, q, k, v, ref_out, ref_lse, head_space, space.block_m, space.block_n,
+                                      scale, costs, timings, budget, row_pos))
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
     return scored, budget, timings
