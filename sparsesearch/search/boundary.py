@@ -1,0 +1,187 @@
+"""Algorithm 4 of paper 000 for one layer of a multi-modal sample.
+
+1. intra-modality search: each modality's rows x its own keys (identity frame: our kernels, grid too);
+2. cross-modality search: rows of a x keys of b for every ordered pair a != b, plus the row regions
+   (a, all) of the Q-boundary and the key regions (all, b) of the K-boundary (patterns/boundary.py);
+3. inter-modality choice per head: each boundary type's approximation is composed from the patterns
+   chosen in its regions (partials merged by lse), scored against the dense attention of the whole
+   sequence, and the head takes the best type within the budget.
+
+Every region is searched by the same kernel-aware search as a text layer (search/layer.py: the budget is
+the target's cost on the same region, the objective uses V). Regions other than intra and the global one
+run on the torch reference path and are costed by the analytic model until the permutation kernels land;
+the composition's cost is analytic for all four types so they compare on one scale.
+
+Choice rule: the types are tried in order none, k, q, 2d (the runtime cost of the permutations grows in
+that order; paper 000 B.1: none and K cost nothing beyond intra-modality attention). A head takes the
+first admissible type whose objective is within ``tolerance`` of the best admissible one — a more
+complex boundary has to earn its place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..patterns import boundary as bd
+from ..patterns._common import causal_entries
+from ..runtime.plan import HeadGroup
+from ..runtime.run import build_group_index, sparse_attend
+from .cost import CostModel, analytic_ms
+from .layer import Scored, Timings, choose, dense_reference, output_error, score_layer
+from .space import SearchSpace
+
+TOLERANCE = 0.05  # relative slack on the objective before a simpler boundary type loses to a complex one
+ABS_TOLERANCE = 1e-4  # ... and an absolute one, for errors near zero
+
+
+@dataclass
+class ScopeResult:
+    """One region's search: scored candidates, budget per head, timings."""
+
+    scored: list[Scored]
+    budget: torch.Tensor
+    timings: Timings
+
+
+def needed_scopes(space: SearchSpace, present: list[str]) -> list[tuple[str, str]]:
+    """(q_mod, k_mod) of every region to search: the global one, each intra region (Alg. 4 step 1), and
+    the regions of every boundary type the space allows. Ordered, without repeats."""
+    scopes = [(bd.ALL, bd.ALL)] + [(m, m) for m in present]
+    for kind in space.boundaries:
+        scopes += [s for s in bd.region_scopes(kind, present) if s not in scopes]
+    return scopes
+
+
+def search_scope(
+    q, k, v, region: bd.Region, space: SearchSpace, costs: CostModel, *, head_space: str, present: list[str],
+    frame_stride: int | None, scale: float,
+) -> ScopeResult:
+    """Kernel-aware search of one region (q/k/v: the whole layer, [1, H, N, D])."""
+    q_r, k_r, v_r = (q, k, v) if region.q_mod == region.k_mod == bd.ALL else region.gather(q, k, v)
+    # Grid applicability follows the region's keys: a visual modality's own rows and keys only.
+    modality = region.k_mod if region.k_mod != bd.ALL else ("video" if "video" in present else present[-1])
+    scored, budget, timings = score_layer(q_r, k_r, v_r, space, costs, head_space=head_space, modality=modality,
+                                          frame_stride=frame_stride, scale=scale, row_pos=region.row_pos)
+    return ScopeResult(scored, budget, timings)
+
+
+def run_picks(q, k, v, region: bd.Region, picks: list[tuple[Scored, int]], head_space: str, block_m: int, block_n: int,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The region's attention with each head's chosen candidate: heads sharing (pattern, params) run as one
+    group. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the region's rows."""
+    q_r, k_r, v_r = (q, k, v) if region.q_mod == region.k_mod == bd.ALL else region.gather(q, k, v)
+    groups: dict[tuple, list[int]] = {}
+    for scored, head in picks:
+        params = scored.params[head]
+        groups.setdefault((scored.candidate.pattern, params), []).append(head)
+    out = torch.zeros_like(q_r)
+    lse = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for (pattern, params), heads in groups.items():
+        g = HeadGroup(pattern, params, tuple(heads), block_m, block_n)
+        index = build_group_index(g, q_r, k_r, head_space, region.row_pos)
+        ids = torch.tensor(heads, dtype=torch.int32, device=q.device)
+        sparse_attend(q_r, k_r, v_r, index, scale, ids, out, lse, region.row_pos)
+    return out, lse
+
+
+def pick_cost(picks: list[tuple[Scored, int]], region: bd.Region, dim: int) -> torch.Tensor:
+    """Analytic cost per head (float64 [H]) of the picks on this region (density x its causal entries)."""
+    entries = region.causal_entries
+    kv_len = region.k_idx.numel()
+    return torch.tensor([float(analytic_ms(s.candidate.pattern, s.density[h : h + 1] * entries, dim, kv_len)[0]) for s, h in picks],
+                        dtype=torch.float64)
+
+
+def boundary_scores(
+    q, k, v, modality: torch.Tensor, names: tuple[str, ...], results: dict[str, ScopeResult], space: SearchSpace, *,
+    head_space: str, objective: str, scale: float,
+) -> dict:
+    """Compose each boundary type from its regions' chosen patterns and score it against dense attention
+    of the whole sequence. Returns {"budget_ms": [H], "types": {type: {"error", "recall", "cost_ms": [H]}}}."""
+    n, dim = q.shape[2], q.shape[-1]
+    group = q.shape[1] // k.shape[1]
+    block = space.block_m if space.block_m == space.block_n else 64
+    ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale)
+    pos = bd.positions(modality, names)
+    present = [m for m in names if m in pos]
+    cache: dict[str, tuple] = {}
+    types = {}
+    for kind in space.boundaries:
+        parts, cost = [], None
+        for q_mod, k_mod in bd.region_scopes(kind, present):
+            region = bd.make_region(q_mod, k_mod, pos)
+            if region is None:
+                continue
+            res = results[region.name]
+            picks = choose(res.scored, res.budget, objective)
+            if region.name not in cache:
+                cache[region.name] = run_picks(q, k, v, region, picks, head_space, space.block_m, space.block_n, scale)
+            parts.append((region, *cache[region.name]))
+            c = pick_cost(picks, region, dim)
+            cost = c if cost is None else cost + c
+        out, lse = bd.compose(parts, n)
+        error, recall = output_error(out, lse, ref_out, ref_lse, head_space, group)
+        types[kind] = {"error": error.tolist(), "recall": recall.tolist(), "cost_ms": cost.tolist()}
+    target = analytic_ms(space.target.pattern, torch.tensor([_target_entries(space, n, dim)]), dim, n)
+    heads = len(next(iter(types.values()))["error"])
+    budget = [float(target[0]) * (1.0 + space.budget_slack)] * heads
+    return {"budget_ms": budget, "types": types}
+
+
+def _target_entries(space: SearchSpace, n: int, dim: int) -> float:
+    """Computed entries of the target pattern on the whole sequence (its density x causal entries)."""
+    from ..patterns import REGISTRY
+
+    params = space.resolve(space.target, n)
+    module = REGISTRY[space.target.pattern]
+    return float(module.density(params, n, block_m=space.block_m, block_n=space.block_n)) * causal_entries(n)
+
+
+def choose_boundary(types: dict[str, dict], budget: list[float], objective: str, order: tuple[str, ...] = bd.BOUNDARIES,
+                    tolerance: float = TOLERANCE) -> list[str]:
+    """Per head: the first type (in ``order``) among the admissible ones (cost <= budget) whose objective is
+    within tolerance of the best admissible; the cheapest type when none is admissible."""
+    kinds = [t for t in order if t in types]
+    heads = len(budget)
+    chosen = []
+    for h in range(heads):
+        ok = [t for t in kinds if types[t]["cost_ms"][h] <= budget[h]]
+        if not ok:
+            chosen.append(min(kinds, key=lambda t: types[t]["cost_ms"][h]))
+            continue
+        if objective == "output_error":
+            best = min(types[t]["error"][h] for t in ok)
+            good = [t for t in ok if types[t]["error"][h] <= best * (1 + tolerance) + ABS_TOLERANCE]
+        else:
+            best = max(types[t]["recall"][h] for t in ok)
+            good = [t for t in ok if types[t]["recall"][h] >= best * (1 - tolerance) - ABS_TOLERANCE]
+        chosen.append(good[0])
+    return chosen
+
+
+def search_modal_layer(
+    q, k, v, modality: torch.Tensor, names: tuple[str, ...], space: SearchSpace, costs: CostModel, *, head_space: str,
+    objective: str, frame_stride: int | None = None, scale: float | None = None, cached: dict[str, ScopeResult] | None = None,
+    on_scope=None,
+) -> tuple[dict[str, ScopeResult], dict]:
+    """All three steps for one layer. q [1, Hq, N, D], k/v [1, Hkv, N, D], modality int [N].
+
+    cached: scope results already on disk (resume); on_scope(name, result) is called as each region
+    finishes. Returns ({scope name: ScopeResult}, boundary scores — see ``boundary_scores``)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    pos = bd.positions(modality, names)
+    present = [m for m in names if m in pos]
+    results = dict(cached or {})
+    for q_mod, k_mod in needed_scopes(space, present):
+        region = bd.make_region(q_mod, k_mod, pos)
+        if region is None or region.name in results:
+            continue
+        results[region.name] = search_scope(q, k, v, region, space, costs, head_space=head_space, present=present,
+                                            frame_stride=frame_stride, scale=scale)
+        if on_scope is not None:
+            on_scope(region.name, results[region.name])
+    scores = boundary_scores(q, k, v, modality, names, results, space, head_space=head_space, objective=objective, scale=scale)
+    return results, scores
