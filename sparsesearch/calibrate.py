@@ -28,9 +28,12 @@ from .artifacts.columns import ALL_MODALITIES, row_from_params
 from .patterns import PARAMS
 from .search.cost import cost_model_for
 from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
+from .patterns.boundary import BOUNDARIES, scope_name, split_scope
+from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
 from .search.space import Candidate, load_space
 
 MODALITY_NAMES = ("text", "image", "video")
+GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
 
 
 @dataclass
@@ -155,10 +158,104 @@ def _modalities_present(sample) -> list[str]:
     return [MODALITY_NAMES[i] for i in ids]
 
 
+def _scope_path(work: Path, si: int, layer: int, scope: str) -> Path:
+    q_mod, k_mod = split_scope(scope)
+    return work / f"s{si}_l{layer}_{q_mod}-{k_mod}.json"
+
+
+def _boundary_path(work: Path, si: int, layer: int) -> Path:
+    return work / f"s{si}_l{layer}.boundary.json"
+
+
+def _layer_done(work: Path, si: int, layer: int, modal: bool) -> bool:
+    """A text layer is done with its global scope file; a multi-modal one with its boundary file (written
+    after all of the layer's region files)."""
+    return (_boundary_path(work, si, layer) if modal else _scope_path(work, si, layer, GLOBAL)).is_file()
+
+
+def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress):
+    """The capture callback of one sample: search each layer in ``todo`` as its QKV arrive and write the
+    results at once (a text sample: one global scope; a multi-modal one: every region of Alg. 4 and the
+    boundary scores)."""
+    frame_stride = sample.meta.get("frame_stride")
+
+    def on_layer(layer, cap) -> None:
+        if cap.layer not in todo:
+            return
+        q, k, v = cap.q.to(device), cap.k.to(device), cap.v.to(device)
+        if len(present) < 2:
+            scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
+                                            frame_stride=frame_stride, scale=cap.scale)
+            _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t))
+        else:
+            cached = {}
+            for path in work.glob(f"s{si}_l{cap.layer}_*-*.json"):
+                q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
+                cached[scope_name(q_mod, k_mod)] = ScopeResult(*_scored_from_json(json.loads(path.read_text())))
+            save = lambda scope, res: _write_json(_scope_path(work, si, cap.layer, scope), _scored_to_json(res.scored, res.budget, res.timings))
+            _, scores = search_modal_layer(q, k, v, sample.modality.to(device), MODALITY_NAMES, space, costs, head_space=cfg.head_space,
+                                           objective=cfg.objective, frame_stride=frame_stride, scale=cap.scale, cached=cached, on_scope=save)
+            _write_json(_boundary_path(work, si, cap.layer), scores)
+        progress.layer(si, cap.layer, info.num_layers)
+
+    return on_layer
+
+
+def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings) -> tuple[list[dict], float, dict | None]:
+    """Rows of one layer from the per-sample files: per scope the candidates' scores averaged over the
+    samples that have it, each head's pick; per head the boundary type chosen on the mean boundary scores
+    (every row of a head carries it). Returns (rows, the chosen approximation's mean error, report)."""
+    scopes: dict[str, list[Path]] = {}
+    for si in range(n_samples):
+        for path in sorted(work.glob(f"s{si}_l{layer}_*-*.json")):
+            q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
+            scopes.setdefault(scope_name(q_mod, k_mod), []).append(path)
+    chosen_rows = {}
+    for scope, paths in scopes.items():
+        loaded = [_scored_from_json(json.loads(p.read_text())) for p in paths]
+        for _, _, t in loaded:
+            total.add(t)
+        scored = mean_scored([sc for sc, _, _ in loaded])
+        budget = torch.stack([b for _, b, _ in loaded]).mean(0)
+        chosen_rows[scope] = head_rows(scored, budget, objective)
+    reports = [json.loads(p.read_text()) for si in range(n_samples) if (p := _boundary_path(work, si, layer)).is_file()]
+    heads = len(chosen_rows[GLOBAL])
+    if not reports:
+        kinds, report = ["none"] * heads, None
+        error = sum(r["output_error"] for r in chosen_rows[GLOBAL]) / heads
+    else:
+        mean = lambda key, t: [sum(r["types"][t][key][h] for r in reports) / len(reports) for h in range(heads)]
+        types = {t: {key: mean(key, t) for key in ("error", "recall", "cost_ms")} for t in reports[0]["types"]}
+        budget = [sum(r["budget_ms"][h] for r in reports) / len(reports) for h in range(heads)]
+        kinds = choose_boundary(types, budget, objective)
+        report = {"chosen": kinds, "budget_ms": [round(b, 9) for b in budget],
+                  **{t: {key: [round(x, 6 if key != "cost_ms" else 9) for x in vals] for key, vals in d.items()} for t, d in types.items()}}
+        error = sum(types[kind]["error"][h] for h, kind in enumerate(kinds)) / heads
+    rows = []
+    for scope, chosen in sorted(chosen_rows.items(), key=lambda kv: (kv[0] != GLOBAL, kv[0])):
+        rows.extend(_artifact_row(layer, scope, r, space, kinds[r["head"]]) for r in chosen)
+    return rows, error, report
+
+
+def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
+    """The manifest's account of the inter-modality step."""
+    if not report:
+        return "not needed: the calibration data is single-modality, so Alg. 4 reduces to the intra-modality search (every head boundary none)"
+    counts = {}
+    for layer in report.values():
+        for kind in layer["chosen"]:
+            counts[kind] = counts.get(kind, 0) + 1
+    return {
+        "types": list(space.boundaries), "tolerance": TOLERANCE, "order": list(BOUNDARIES), "chosen": counts,
+        "region_path": "permuted (cross, row, key) regions ran on the torch reference path and are costed by the analytic model; the permutation kernels are a later issue",
+        "scores": report,
+    }
+
+
 def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> CalibrationResult:
     """Run the whole job (see the module docstring)."""
     from .artifacts import write_artifact
-    from .artifacts.manifest import new_manifest
+    from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
     from .models import capture_qkv, load_model
 
@@ -184,63 +281,41 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     started = time.perf_counter()
     for si, sample in enumerate(samples):
         present = _modalities_present(sample)
-        # Text-only inputs reduce to one intra-modality search over every token ("all").
-        scopes = [ALL_MODALITIES] + (present if len(present) > 1 else [])
-        todo = {layer for layer in range(info.num_layers) if not all((work / f"s{si}_l{layer}_{sc}.json").is_file() for sc in scopes)}
+        todo = {layer for layer in range(info.num_layers) if not _layer_done(work, si, layer, len(present) > 1)}
         if not todo:
             continue
-        frame_stride = sample.meta.get("frame_stride")
-
-        def on_layer(layer, cap, si=si, sample=sample, scopes=scopes, frame_stride=frame_stride) -> None:
-            if cap.layer not in todo:
-                return
-            for scope in scopes:
-                path = work / f"s{si}_l{cap.layer}_{scope}.json"
-                if path.is_file():
-                    continue
-                q, k, v = cap.q.to(device), cap.k.to(device), cap.v.to(device)
-                modality = "text" if scope == ALL_MODALITIES and present == ["text"] else scope
-                if scope != ALL_MODALITIES:
-                    keep = (sample.modality == MODALITY_NAMES.index(scope)).nonzero().flatten().to(device)
-                    q, k, v = q[:, :, keep], k[:, :, keep], v[:, :, keep]
-                elif len(present) > 1:
-                    modality = "video" if "video" in present else present[-1]
-                scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=modality,
-                                                frame_stride=frame_stride, scale=cap.scale)
-                _write_json(path, _scored_to_json(scored, budget, t))
-            progress.layer(si, cap.layer, info.num_layers)
-
+        on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress)
         progress.stage(f"searching sample {si + 1}/{len(samples)}")
         inputs = {"input_ids": sample.input_ids[None].to(device)}
         capture_qkv(model, inputs, on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
     search_s = time.perf_counter() - started
 
-    rows, layer_errors = [], {}
-    scopes_all = sorted({p.name.split("_", 2)[2][:-5] for p in work.glob("s0_l*_*.json")}, key=lambda s: (s != ALL_MODALITIES, s))
+    rows, layer_errors, boundary_report = [], {}, {}
     for layer in range(info.num_layers):
-        for scope in scopes_all:
-            loaded = [_scored_from_json(json.loads((work / f"s{si}_l{layer}_{scope}.json").read_text())) for si in range(len(samples))]
-            for _, _, t in loaded:
-                total.add(t)
-            scored = mean_scored([s for s, _, _ in loaded])
-            budget = torch.stack([b for _, b, _ in loaded]).mean(0)
-            chosen = head_rows(scored, budget, cfg.objective)
-            rows.extend(_artifact_row(layer, scope, r, space) for r in chosen)
-            if scope == ALL_MODALITIES:
-                layer_errors[layer] = sum(r["output_error"] for r in chosen) / len(chosen)
+        layer_rows, error, report = _assemble_layer(work, layer, len(samples), space, cfg.objective, total)
+        rows.extend(layer_rows)
+        layer_errors[layer] = error
+        if report:
+            boundary_report[str(layer)] = report
 
     methods = {"mminference": {
         "table": "heads.parquet",
         **{
             "objective": cfg.objective, "head_space": cfg.head_space, "cost_model": costs.kind,
-            "boundary_search": "not run: boundary rows need the permutation kernels of a later issue; modality rows are intra-modality only",
+            "boundary_search": _boundary_summary(rows, boundary_report, space),
             "max_tokens": cfg.max_tokens, "samples": cfg.samples,
             "timings_s": {"search": round(search_s, 2), **{k: round(v, 2) for k, v in dataclasses.asdict(total).items()}},
             "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},
         },
     }}
+    # Modalities: the model's own, plus any the calibration data marks itself (synthetic:frames on a text
+    # model is "video" without a video token); heads rows may name them.
+    modalities = default_modalities(info)
+    for sample in samples:
+        for name in _modalities_present(sample):
+            modalities["names"].setdefault(name, MODALITY_NAMES.index(name))
     manifest = new_manifest(
-        info, head_index_space=cfg.head_space, provenance={"kind": "calibrated", "source": cfg.data},
+        info, head_index_space=cfg.head_space, modalities=modalities, provenance={"kind": "calibrated", "source": cfg.data},
         methods=methods, calibration={"source": cfg.data, "sha256": data_sha, "lengths": [int(s.input_ids.numel()) for s in samples], "seed": cfg.seed},
         search_space={"name": space.name, "sha256": space.sha256}, created=created,
     )
@@ -264,9 +339,10 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     return CalibrationResult(path, manifest, rows, timings, fidelity, png)
 
 
-def _artifact_row(layer: int, scope: str, r: dict, space) -> dict:
+def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none") -> dict:
+    q_mod, k_mod = split_scope(scope)
     row = {
-        "layer": layer, "head": r["head"], "q_modality": scope, "k_modality": scope, "boundary": "none",
+        "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
         "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
         "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
         "latency_ms": r["latency_ms"], "score": r["score"],
@@ -284,7 +360,7 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, dat
     import pandas as pd
 
     from .data import held_out, retrieval_correct
-    from .runtime import apply, remove
+    from .runtime import apply, remove, set_modality
     from .runtime.hf import runner_of
 
     artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
@@ -303,6 +379,8 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, dat
             apply(model, artifact, min_tokens=min_tokens)
             try:
                 runner_of(model).audit = {}
+                # Boundary heads run their region patterns on this prompt's own modality ids.
+                set_modality(model, sample.modality.to(device))
                 sparse = model.generate(ids, **gen)
                 for layer, errs in runner_of(model).audit.items():
                     audits.setdefault(layer, []).append(errs[0])

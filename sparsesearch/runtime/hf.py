@@ -78,12 +78,33 @@ def _attend_padded(runner: Runner, layer, q, k, v, scale, runs) -> torch.Tensor:
         sl = slice(start, stop)
         qs, ks, vs = q[b : b + 1, :, sl], k[b : b + 1, :, sl], v[b : b + 1, :, sl]
         if stop - start >= runner.plan.min_tokens:
-            res = runner.attend(layer, qs, ks, vs, scale=scale)
+            res = runner.attend(layer, qs, ks, vs, scale=scale, modality=_sequence_modality(runner, b, n, sl))
         else:
             group = q.shape[1] // k.shape[1]
             res = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
         out[b, sl] = res[0].transpose(0, 1)
     return out
+
+
+def _sequence_modality(runner: Runner, b: int, n: int, sl: slice) -> torch.Tensor | None:
+    """The modality ids of sequence b's real tokens, when the runner holds ids for this [.., n] call."""
+    m = runner.modality
+    if m is None:
+        return None
+    m = m if m.dim() == 2 else m[None]
+    return m[min(b, m.shape[0] - 1), sl] if m.shape[-1] == n else None
+
+
+def set_modality(model, modality: torch.Tensor | None) -> None:
+    """Modality ids (int [N] or [B, N]: 0 text, 1 image, 2 video; models.modality_ids makes them from
+    input_ids) of the prompt the next prefill runs, for the artifact's boundary heads; None clears them.
+    Calls of another length (decode steps, other prompts) ignore them."""
+    runner = runner_of(model)
+    if runner is None:
+        raise ValueError("no sparsesearch artifact is applied to this model (runtime.apply first)")
+    if modality is not None and (modality.dim() not in (1, 2) or modality.dtype.is_floating_point):
+        raise ValueError(f"modality must be int [N] or [B, N], got {modality.dtype} {tuple(modality.shape)}")
+    runner.modality = modality
 
 
 def model_info(model) -> ModelInfo:

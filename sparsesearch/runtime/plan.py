@@ -31,8 +31,15 @@ class HeadGroup:
 class LayerPlan:
     layer: int
     kind: str  # "dense" | "sparse" | "triangle"
-    groups: tuple[HeadGroup, ...] = ()
+    groups: tuple[HeadGroup, ...] = ()  # the global (all x all) patterns: every head's, fallback included
     triangle: object | None = None  # TriangleParams when kind == "triangle"
+    # Boundary heads (paper 000 §3.2): (head, type) for heads whose type is k, q or 2d, and the region
+    # patterns as (scope "q_mod>k_mod", groups). They run when a call carries modality ids.
+    boundary: tuple[tuple[int, str], ...] = ()
+    regions: tuple[tuple[str, tuple[HeadGroup, ...]], ...] = ()
+
+    def region_groups(self, scope: str) -> tuple[HeadGroup, ...]:
+        return next((groups for name, groups in self.regions if name == scope), ())
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,9 @@ class Plan:
 def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False) -> Plan:
     """Plan from an artifact's manifest and heads table (a pandas DataFrame with the HEADS_SCHEMA columns).
 
-    Rows for specific modality pairs need the boundary kernels (a later issue): those heads run dense and
-    the plan says so in ``notes``. Heads with no row run dense.
+    Every head runs its global (all x all) row. A head whose rows carry boundary k, q or 2d also gets its
+    region rows (patterns/boundary.py): calls that carry modality ids (Runner.modality) run those; calls
+    without fall back to the global row. Heads with no row run dense.
     """
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
@@ -68,19 +76,22 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
     space_heads = info.num_kv_heads if head_space == "kv" else info.num_heads
     notes = []
     rows = heads.to_dict("records") if heads is not None and len(heads) else []
-    text_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES and r["k_modality"] == ALL_MODALITIES]
-    if len(text_rows) != len(rows):
-        notes.append(f"{len(rows) - len(text_rows)} modality-pair rows need boundary kernels (not yet in the runtime); those heads run dense")
-    by_layer: dict[int, dict[tuple, list[int]]] = {}
-    for row in text_rows:
+    for row in rows:
         layer, head = int(row["layer"]), int(row["head"])
         if not 0 <= layer < info.num_layers or not 0 <= head < space_heads:
             raise ValueError(f"heads row (layer {layer}, head {head}) outside the model's {info.num_layers} layers x {space_heads} {head_space} heads")
-        if row["pattern"] == "dense":
-            continue
-        params = params_from_row(row)
-        key = (row["pattern"], params, int(row["block_m"]), int(row["block_n"]))
-        by_layer.setdefault(layer, {}).setdefault(key, []).append(head)
+    is_global = lambda r: r["q_modality"] == ALL_MODALITIES and r["k_modality"] == ALL_MODALITIES
+    kinds = {(int(r["layer"]), int(r["head"])): r["boundary"] for r in rows if r["boundary"] != "none"}
+    by_layer = _grouped([r for r in rows if is_global(r)])
+    by_region: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        if not is_global(row) and (int(row["layer"]), int(row["head"])) in kinds:
+            scope = f"{row['q_modality']}>{row['k_modality']}"
+            by_region.setdefault(int(row["layer"]), {}).setdefault(scope, []).append(row)
+    if kinds:
+        counts = {k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))}
+        notes.append(f"boundary heads {counts}: their region patterns run when a call carries modality ids "
+                     "(runtime.set_modality); permuted regions take the torch reference path until the permutation kernels land")
     tri = (manifest.get("methods") or {}).get("trianglemix") or {}
     start = tri.get("start_layer")
     tri_params = None
@@ -93,9 +104,27 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
         if tri_params is not None and layer >= int(start):
             layers.append(LayerPlan(layer, "triangle", triangle=tri_params))
             continue
-        groups = tuple(
-            HeadGroup(pattern, params, tuple(sorted(ids)), bm, bn)
-            for (pattern, params, bm, bn), ids in sorted(by_layer.get(layer, {}).items(), key=lambda kv: min(kv[1]))
-        )
-        layers.append(LayerPlan(layer, "sparse" if groups else "dense", groups))
+        groups = _groups(by_layer.get(layer, {}))
+        boundary = tuple(sorted((h, kind) for (l, h), kind in kinds.items() if l == layer))
+        regions = tuple((scope, _groups(_grouped(scope_rows, keep_dense=True).get(layer, {}))) for scope, scope_rows in sorted(by_region.get(layer, {}).items()))
+        layers.append(LayerPlan(layer, "sparse" if groups or boundary else "dense", groups, boundary=boundary, regions=regions))
     return Plan(head_space, tuple(layers), min_tokens, tuple(notes), last_row_only)
+
+
+def _grouped(rows: list[dict], keep_dense: bool = False) -> dict[int, dict[tuple, list[int]]]:
+    """layer -> {(pattern, params, block_m, block_n): heads}; dense rows only with keep_dense (a region's
+    dense pattern still has to run on the region; a global dense head just takes SDPA)."""
+    by_layer: dict[int, dict[tuple, list[int]]] = {}
+    for row in rows:
+        if row["pattern"] == "dense" and not keep_dense:
+            continue
+        key = (row["pattern"], params_from_row(row), int(row["block_m"]), int(row["block_n"]))
+        by_layer.setdefault(int(row["layer"]), {}).setdefault(key, []).append(int(row["head"]))
+    return by_layer
+
+
+def _groups(keyed: dict[tuple, list[int]]) -> tuple[HeadGroup, ...]:
+    return tuple(
+        HeadGroup(pattern, params, tuple(sorted(ids)), bm, bn)
+        for (pattern, params, bm, bn), ids in sorted(keyed.items(), key=lambda kv: min(kv[1]))
+    )

@@ -8,6 +8,7 @@ torch backend on CPU); heads without a group run SDPA together. Static indices a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -31,8 +32,21 @@ class Runner:
         # When a dict, every sparse call also runs dense SDPA on the same q/k/v and appends the relative
         # output error under the layer id: the per-layer fidelity report of calibrate.
         self.audit: dict[int, list[float]] | None = None
+        # Modality ids of the prompt being prefilled, int [N] or [B, N] (0 text, 1 image, 2 video), set by
+        # the caller (runtime.set_modality): boundary heads run their region patterns only with them.
+        self.modality: torch.Tensor | None = None
 
-    def attend(self, layer: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    def _modality_for(self, layer: LayerPlan, batch: int, n: int) -> torch.Tensor | None:
+        """The ids for a call of [batch, n] tokens, or None when unset or of another shape (a padded
+        batch's per-sequence calls pass their own slice instead)."""
+        m = self.modality
+        if m is None or not layer.boundary:
+            return None
+        m = m if m.dim() == 2 else m[None].expand(batch, -1)
+        return m if tuple(m.shape) == (batch, n) else None
+
+    def attend(self, layer: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+               modality: torch.Tensor | None = None) -> torch.Tensor:
         batch, q_heads, n, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if scale is None else scale
         buf = torch.empty(batch, n, q_heads, dim, dtype=q.dtype, device=q.device)
@@ -43,8 +57,24 @@ class Runner:
             self._audit(layer, q, k, v, scale, out)
             return out
         group = q_heads // k.shape[1]
-        covered = set()
+        modality = self._modality_for(layer, batch, n) if modality is None else modality
+        if layer.boundary and modality is not None and batch > 1:
+            # Regions differ per sequence: one call per batch row (a loop over the batch, not over heads).
+            for b in range(batch):
+                out[b : b + 1] = self.attend(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], scale=scale, modality=modality[b])
+            self._audit(layer, q, k, v, scale, out)
+            return out
+        covered: set[int] = set()
+        by_region: set[int] = set()
+        if layer.boundary and modality is not None:
+            by_region = attend_boundary(layer, q, k, v, modality.flatten(), self.plan.head_space, scale, out)
+            covered.update(_query_heads(tuple(sorted(by_region)), self.plan.head_space, group))
         for g in layer.groups:
+            if by_region:
+                heads = tuple(h for h in g.heads if h not in by_region)
+                if not heads:
+                    continue
+                g = dataclasses.replace(g, heads=heads)
             index = self._index(g, q, k)
             heads = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
             sparse_attend(q, k, v, index, scale, heads, out, lse)
@@ -100,6 +130,50 @@ class Runner:
         # The dense last rows: `rows` x N scores at most, chunked by the oracle.
         tail, _ = masked_attention(q[:, :, n - rows :], k, v, scale=scale)
         out[:, :, n - rows :] = tail.to(out.dtype)
+
+
+def attend_boundary(layer: LayerPlan, q, k, v, modality: torch.Tensor, space: str, scale: float, out) -> set[int]:
+    """The layer's boundary heads, each by its type's regions (patterns/boundary.py): per region, one index
+    build and one launch per head group on the gathered rows/keys (our kernels for intra regions, the
+    torch reference path for permuted ones), partials merged by lse into ``out``. q [1, Hq, N, D],
+    modality int [N]. Returns the heads (plan space) done; a head lacking a row for one of its regions
+    (a modality its calibration never saw) is left to its global pattern."""
+    from ..models.modality import MODALITIES
+    from ..patterns import boundary as bd
+
+    n, group = q.shape[2], q.shape[1] // k.shape[1]
+    pos = bd.positions(modality.to(q.device), MODALITIES)
+    present = [m for m in MODALITIES if m in pos]
+    if len(present) < 2:
+        return set()  # one modality: every type reduces to the global pattern
+    done: set[int] = set()
+    for kind in sorted({kind for _, kind in layer.boundary}):
+        scopes = [s for s in bd.region_scopes(kind, present)]
+        heads = [h for h, t in layer.boundary if t == kind
+                 and all(any(h in g.heads for g in layer.region_groups(bd.scope_name(*s))) for s in scopes)]
+        if not heads:
+            continue
+        parts = []
+        for q_mod, k_mod in scopes:
+            region = bd.make_region(q_mod, k_mod, pos)
+            if region is None:
+                continue
+            q_r, k_r, v_r = region.gather(q, k, v)
+            o_r = torch.zeros_like(q_r)
+            l_r = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+            for g in layer.region_groups(region.name):
+                members = tuple(h for h in g.heads if h in heads)
+                if members:
+                    g = dataclasses.replace(g, heads=members)
+                    index = build_group_index(g, q_r, k_r, space, region.row_pos)
+                    ids = torch.tensor(members, dtype=torch.int32, device=q.device)
+                    sparse_attend(q_r, k_r, v_r, index, scale, ids, o_r, l_r, region.row_pos)
+            parts.append((region, o_r, l_r))
+        merged, _ = bd.compose(parts, n)
+        q_ids = torch.tensor(_query_heads(tuple(heads), space, group), device=q.device)
+        out[:, q_ids] = merged[:, q_ids].to(out.dtype)
+        done.update(heads)
+    return done
 
 
 def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str, row_pos: torch.Tensor | None = None) -> BlockIndex:
