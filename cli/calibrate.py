@@ -39,7 +39,7 @@ def calibrate(
 
     Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
     """
-    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run
+    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, effective_densities
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
@@ -57,34 +57,43 @@ def calibrate(
             bar.update(layers, visible=True, total=total, completed=layer + 1, description=f"sample {sample + 1} layers")
 
         result = run(cfg, Hooks(stage=on_stage, layer=on_layer))
+    density = effective_densities(result.manifest, result.rows)
     summary = {
         "artifact": str(result.path), "map_png": str(result.map_png) if result.map_png else None,
-        "patterns": dict(Counter(r["pattern"] for r in result.rows if r["q_modality"] == "all")),
-        "mean_density": round(sum(r["density"] for r in result.rows) / max(1, len(result.rows)), 4),
+        "patterns": dict(Counter(r["pattern"] for r in _global(result.rows))),
+        "boundaries": dict(Counter(r["boundary"] for r in _global(result.rows))),
+        "mean_density": round(sum(density.values()) / max(1, len(density)), 4),
         "timings_s": {k: round(v, 2) for k, v in result.timings.items()}, "fidelity": result.fidelity,
     }
     if json_out:
         print_json(summary)
         return
-    _render(result, summary)
+    _render(result, summary, density)
 
 
-def _render(result, summary) -> None:
+def _global(rows: list[dict]) -> list[dict]:
+    """The rows every head runs without modality ids: all rows x all keys."""
+    return [r for r in rows if r["q_modality"] == "all" and r["k_modality"] == "all"]
+
+
+def _render(result, summary, density) -> None:
     table = Table(title=f"calibrate → {summary['artifact']}")
     table.add_column("layer", justify="right")
     table.add_column("patterns")
+    table.add_column("boundary")
     table.add_column("density", justify="right")
     table.add_column("output error", justify="right")
     fid = (result.fidelity or {}).get("layer_output_error", {})
     table.add_column("held-out error", justify="right")
     layers = sorted({r["layer"] for r in result.rows})
     for layer in layers:
-        rows = [r for r in result.rows if r["layer"] == layer and r["q_modality"] == "all"]
+        rows = [r for r in _global(result.rows) if r["layer"] == layer]
         mix = ", ".join(f"{p}×{n}" for p, n in sorted(Counter(r["pattern"] for r in rows).items()))
-        dens = sum(r["density"] for r in rows) / len(rows)
-        err = sum(r["output_error"] for r in rows) / len(rows)
+        kinds = ", ".join(f"{b}×{n}" for b, n in sorted(Counter(r["boundary"] for r in rows).items()))
+        dens = sum(density[(layer, r["head"])] for r in rows) / len(rows)
+        err = result.manifest["methods"]["mminference"]["calibration_layer_output_error"].get(str(layer))
         held = fid.get(str(layer))
-        table.add_row(str(layer), mix, f"{dens:.1%}", f"{err:.3f}", "-" if held is None else f"{held:.3f}")
+        table.add_row(str(layer), mix, kinds, f"{dens:.1%}", "-" if err is None else f"{err:.3f}", "-" if held is None else f"{held:.3f}")
     out_console.print(table)
     f = result.fidelity
     if f:

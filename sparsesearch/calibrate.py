@@ -225,7 +225,7 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
         error = sum(r["output_error"] for r in chosen_rows[GLOBAL]) / heads
     else:
         mean = lambda key, t: [sum(r["types"][t][key][h] for r in reports) / len(reports) for h in range(heads)]
-        types = {t: {key: mean(key, t) for key in ("error", "recall", "cost_ms")} for t in reports[0]["types"]}
+        types = {t: {key: mean(key, t) for key in ("error", "recall", "cost_ms", "density")} for t in reports[0]["types"]}
         budget = [sum(r["budget_ms"][h] for r in reports) / len(reports) for h in range(heads)]
         kinds = choose_boundary(types, budget, objective)
         report = {"chosen": kinds, "budget_ms": [round(b, 9) for b in budget],
@@ -327,11 +327,12 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
         manifest["methods"]["mminference"]["fidelity"] = fidelity
     progress.stage("writing artifact")
     path = write_artifact(cfg.out, manifest, {"heads.parquet": rows}, overwrite=cfg.overwrite)
+    manifest = json.loads((path / "manifest.json").read_text())  # as written: with the files' hashes
     png = None
     try:
         from .report.heads_map import draw_heads_map
 
-        png = draw_heads_map(rows, info, cfg.out.with_name(cfg.out.name + ".png"))
+        png = draw_heads_map(rows, info, cfg.out.with_name(cfg.out.name + ".png"), effective_densities(manifest, rows))
     except ImportError:  # matplotlib missing: the artifact stands without its picture
         png = None
     shutil.rmtree(work, ignore_errors=True)
@@ -349,6 +350,22 @@ def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none"
     }
     row.update(row_from_params(r["params"]))
     return row
+
+
+def effective_densities(manifest: dict, rows: list[dict]) -> dict[tuple[int, int], float | None]:
+    """Per (layer, head): the attention density the runtime computes — the global row's, or for a K/Q/2D
+    head the calibration's density of its composed regions (manifest boundary_search scores)."""
+    report = ((manifest.get("methods") or {}).get("mminference") or {}).get("boundary_search")
+    scores = report.get("scores", {}) if isinstance(report, dict) else {}
+    out = {}
+    for r in rows:
+        if r["q_modality"] != ALL_MODALITIES or r["k_modality"] != ALL_MODALITIES:
+            continue
+        layer, head = int(r["layer"]), int(r["head"])
+        kind = r["boundary"]
+        entry = scores.get(str(layer), {}).get(kind)
+        out[(layer, head)] = entry["density"][head] if kind != "none" and entry and "density" in entry else r.get("density")
+    return out
 
 
 def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
@@ -398,8 +415,7 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, dat
             dense_ok += retrieval_correct(text(dense), sample)
             sparse_ok += retrieval_correct(text(sparse), sample)
     n = samples
-    text_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES]
-    densities = [r["density"] for r in text_rows if r.get("density") is not None]  # imported rows have none
+    densities = [d for d in effective_densities(manifest, rows).values() if d is not None]  # imported rows have none
     return {
         "eval_data": data, "samples": n, "tokens": int(ids.shape[1]),
         "next_token_kl": round(sum(kls) / n, 6), "greedy_agreement": round(sum(agree) / n, 4),

@@ -174,3 +174,58 @@ def test_cli_refuses_out_holding_another_artifact(tiny_model, space_file, tmp_pa
     third = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--data", "synthetic:kv-retrieval", "--overwrite"])
     assert third.exit_code == 0, third.output
     assert (tmp_path / "a" / "heads.parquet").read_bytes() != before
+
+
+# ------------------------------------------------------- multi-modal: Alg. 4 regions and boundary types
+@pytest.fixture
+def boundary_space_file(tmp_path):
+    path = tmp_path / "space-boundary.json"
+    path.write_text(json.dumps({**SPACE, "budget_slack": 3.0, "boundaries": ["none", "k", "q", "2d"]}))
+    return path
+
+
+def test_multimodal_calibrate_writes_regions_and_a_boundary_per_head(tiny_model, boundary_space_file, tmp_path):
+    import pandas as pd
+
+    from sparsesearch.artifacts import load_artifact
+
+    res = calibrate(_cfg(tiny_model, tmp_path / "mm", boundary_space_file, data="synthetic:mixed", eval_data="synthetic:mixed"))
+    heads = pd.read_parquet(tmp_path / "mm" / "heads.parquet")
+    scopes = set(zip(heads.q_modality, heads.k_modality))
+    assert scopes == {(a, b) for a in ("all", "text", "video") for b in ("all", "text", "video")}
+    per_head = heads.groupby(["layer", "head"]).boundary.nunique()
+    assert (per_head == 1).all(), "every row of a head carries the head's one boundary type"
+    report = res.manifest["methods"]["mminference"]["boundary_search"]
+    assert sum(report["chosen"].values()) == 3  # 3 layers x 1 KV head
+    for layer, scores in report["scores"].items():
+        kind = scores["chosen"][0]
+        assert heads[(heads.layer == int(layer)) & (heads.q_modality == "all") & (heads.k_modality == "all")].boundary.item() == kind
+        assert set(scores) >= {"none", "k", "q", "2d"}
+    assert res.manifest["modalities"]["names"]["video"] == 2  # named by the data, not by the text model
+    assert load_artifact(tmp_path / "mm").manifest == res.manifest
+    assert res.fidelity is not None and math.isfinite(res.fidelity["next_token_kl"])
+
+
+def test_multimodal_resume_gives_the_identical_artifact(tiny_model, boundary_space_file, tmp_path):
+    kw = dict(data="synthetic:mixed", eval_data="")
+    whole = calibrate(_cfg(tiny_model, tmp_path / "whole", boundary_space_file, **kw))
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_first(sample, layer, total):
+        if layer == 0:
+            raise Killed
+
+    with pytest.raises(Killed):
+        calibrate(_cfg(tiny_model, tmp_path / "resumed", boundary_space_file, **kw), Progress(layer=kill_after_first))
+    saved = {p.name for p in (tmp_path / "resumed.partial").glob("s0_l0*")}
+    assert "s0_l0.boundary.json" in saved and "s0_l0_video-text.json" in saved
+    resumed = calibrate(_cfg(tiny_model, tmp_path / "resumed", boundary_space_file, resume=True, **kw))
+    assert (whole.path / "heads.parquet").read_bytes() == (resumed.path / "heads.parquet").read_bytes()
+
+
+def test_text_only_calibration_reduces_to_the_intra_search(tiny_model, boundary_space_file, tmp_path):
+    res = calibrate(_cfg(tiny_model, tmp_path / "t", boundary_space_file, eval_data=""))
+    assert res.manifest["methods"]["mminference"]["boundary_search"].startswith("not needed")
+    assert {(r["q_modality"], r["k_modality"], r["boundary"]) for r in res.rows} == {("all", "all", "none")}

@@ -1,4 +1,5 @@
-"""PNG map of an artifact's text rows: layers x heads, colour = pattern, label = density (%)."""
+"""PNG map of an artifact's global rows: layers x heads, colour = pattern, label = density (%) and, for
+boundary heads, their type (K, Q, 2D)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ PATTERN_COLORS = {
 }
 
 
-def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
-    """rows: heads.parquet records (q_modality "all" only are drawn). Written atomically."""
+def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = None) -> Path:
+    """rows: heads.parquet records (the all x all rows are drawn); density: {(layer, head): value} to label
+    with instead of the rows' own (calibrate's effective densities of boundary heads). Written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,15 +23,18 @@ def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    text = [r for r in rows if r["q_modality"] == "all"]
+    text = [r for r in rows if r["q_modality"] == "all" and r["k_modality"] == "all"]
     heads = max(r["head"] for r in text) + 1 if text else 1
     names = list(PATTERN_COLORS)
     grid = [[names.index("dense")] * heads for _ in range(info.num_layers)]
     labels = [[""] * heads for _ in range(info.num_layers)]
     for r in text:
         grid[r["layer"]][r["head"]] = names.index(r["pattern"])
-        if r.get("density") is not None:
-            labels[r["layer"]][r["head"]] = f"{100 * r['density']:.0f}"
+        value = (density or {}).get((r["layer"], r["head"]), r.get("density"))
+        if value is not None:
+            labels[r["layer"]][r["head"]] = f"{100 * value:.0f}"
+        if r.get("boundary", "none") != "none":
+            labels[r["layer"]][r["head"]] += f" {r['boundary'].upper()}"
     fig, ax = plt.subplots(figsize=(max(5.5, 0.5 * heads + 2), max(4, 0.25 * info.num_layers + 1.5)))
     ax.imshow(grid, cmap=ListedColormap([PATTERN_COLORS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto")
     for layer in range(info.num_layers):
@@ -38,7 +43,7 @@ def draw_heads_map(rows: list[dict], info, path: Path) -> Path:
     ax.set_xticks(range(heads))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(f"{info.id}\npattern per head · numbers: density %", fontsize=10)
+    ax.set_title(f"{info.id}\npattern per head · numbers: density % · K/Q/2D: boundary type", fontsize=10)
     used = sorted({r["pattern"] for r in text}) or ["dense"]
     ax.legend(handles=[Patch(color=PATTERN_COLORS[n], label=n) for n in used], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(used), fontsize=7)
     fig.tight_layout()

@@ -100,7 +100,8 @@ def boundary_scores(
     head_space: str, objective: str, scale: float,
 ) -> dict:
     """Compose each boundary type from its regions' chosen patterns and score it against dense attention
-    of the whole sequence. Returns {"budget_ms": [H], "types": {type: {"error", "recall", "cost_ms": [H]}}}."""
+    of the whole sequence. Returns {"budget_ms": [H], "types": {type: {"error", "recall", "cost_ms", "density": [H]}}}
+    (density: computed entries of all its regions over the sequence's causal entries)."""
     n, dim = q.shape[2], q.shape[-1]
     group = q.shape[1] // k.shape[1]
     block = space.block_m if space.block_m == space.block_n else 64
@@ -109,8 +110,9 @@ def boundary_scores(
     present = [m for m in names if m in pos]
     cache: dict[str, tuple] = {}
     types = {}
+    total = causal_entries(n)
     for kind in space.boundaries:
-        parts, cost = [], None
+        parts, cost, entries = [], None, None
         for q_mod, k_mod in bd.region_scopes(kind, present):
             region = bd.make_region(q_mod, k_mod, pos)
             if region is None:
@@ -122,9 +124,11 @@ def boundary_scores(
             parts.append((region, *cache[region.name]))
             c = pick_cost(picks, region, dim)
             cost = c if cost is None else cost + c
+            e = torch.tensor([float(s.density[h]) * region.causal_entries for s, h in picks], dtype=torch.float64)
+            entries = e if entries is None else entries + e
         out, lse = bd.compose(parts, n)
         error, recall = output_error(out, lse, ref_out, ref_lse, head_space, group)
-        types[kind] = {"error": error.tolist(), "recall": recall.tolist(), "cost_ms": cost.tolist()}
+        types[kind] = {"error": error.tolist(), "recall": recall.tolist(), "cost_ms": cost.tolist(), "density": (entries / total).tolist()}
     target = analytic_ms(space.target.pattern, torch.tensor([_target_entries(space, n, dim)]), dim, n)
     heads = len(next(iter(types.values()))["error"])
     budget = [float(target[0]) * (1.0 + space.budget_slack)] * heads
