@@ -1,6 +1,11 @@
 """Search time of `calibrate` on 7B-shaped synthetic activations (paper 000: ~15 min per 7B model on an A100).
 
     python benchmarks/search_time.py --layers 28 --heads 28 --kv-heads 4 --dim 128 --tokens 25000
+    python benchmarks/search_time.py --modal ...   # the whole Alg. 4 on a video/text interleave
+
+With --modal the sequence is video frames interleaved with text segments (~25% text, like MM-NIAH) and
+each layer runs search_modal_layer: the global, intra, cross, row and key regions, then the none/K/Q/2D
+composition per head (permuted regions on the torch reference path).
 
 Per layer: synthetic post-RoPE q/k/v with real structure (positional features so attention is local,
 a few heavy "vertical" keys per head, noise), then the same `score_layer` calibrate runs, with measured
@@ -20,9 +25,12 @@ from pathlib import Path
 import torch
 import triton
 
-from sparsesearch.search.cost import MeasuredCost
+from sparsesearch.search.boundary import choose_boundary, search_modal_layer
+from sparsesearch.search.cost import AnalyticCost, MeasuredCost
 from sparsesearch.search.layer import head_rows, score_layer
 from sparsesearch.search.space import load_space
+
+NAMES = ("text", "image", "video")
 
 
 def activations(layer: int, heads: int, kv_heads: int, n: int, dim: int, device, dtype):
@@ -41,6 +49,16 @@ def activations(layer: int, heads: int, kv_heads: int, n: int, dim: int, device,
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def interleave(n: int, device, span: int = 1024) -> torch.Tensor:
+    """Modality ids [n]: video spans of 3 x span tokens, then a text span of span tokens, repeated; text last."""
+    ids = torch.full((n,), 2, dtype=torch.long, device=device)
+    unit = 4 * span
+    for start in range(3 * span, n, unit):
+        ids[start : start + span] = 0
+    ids[-span // 4 :] = 0  # the question at the end is text
+    return ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=28)
@@ -49,13 +67,19 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=25000)
     parser.add_argument("--head-space", default="kv", choices=["kv", "query"])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/search_time.json"))
+    parser.add_argument("--modal", action="store_true", help="video/text interleave: the whole Alg. 4 per layer")
+    parser.add_argument("--device", default="cuda", help="cuda (timings) or cpu (a smoke run at small shapes)")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/search_time.py needs a CUDA GPU")
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/search_time.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out_path = args.out or Path(f"benchmarks/results/search_time{'_modal' if args.modal else ''}.json")
     space = load_space()
-    costs = MeasuredCost(cache_path=Path("/tmp/sparsesearch_costs.json"))
+    costs = MeasuredCost(cache_path=Path("/tmp/sparsesearch_costs.json")) if dev.type == "cuda" else AnalyticCost()
+    modality = interleave(args.tokens, dev, span=min(1024, args.tokens // 8)) if args.modal else None
+    kinds: dict[str, int] = {}
     totals = {"index_s": 0.0, "kernel_s": 0.0, "objective_s": 0.0}
     mix: dict[str, int] = {}
     started = time.perf_counter()
@@ -63,25 +87,36 @@ def main() -> None:
     for layer in range(args.layers):
         t0 = time.perf_counter()
         q, k, v = activations(layer, args.heads, args.kv_heads, args.tokens, args.dim, dev, dtype)
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         gen_s += time.perf_counter() - t0
-        scored, budget, t = score_layer(q, k, v, space, costs, head_space=args.head_space)
+        if modality is None:
+            scored, budget, t = score_layer(q, k, v, space, costs, head_space=args.head_space)
+            timings = [t]
+        else:
+            results, scores = search_modal_layer(q, k, v, modality, NAMES, space, costs, head_space=args.head_space, objective="output_error")
+            scored, budget = results["all>all"].scored, results["all>all"].budget
+            timings = [r.timings for r in results.values()]
+            for kind in choose_boundary(scores["types"], scores["budget_ms"], "output_error"):
+                kinds[kind] = kinds.get(kind, 0) + 1
         for r in head_rows(scored, budget, "output_error"):
             mix[r["pattern"]] = mix.get(r["pattern"], 0) + 1
-        for key in totals:
-            totals[key] += getattr(t, key)
+        for t in timings:
+            for key in totals:
+                totals[key] += getattr(t, key)
         print(f"layer {layer:2d}: {time.perf_counter() - started:6.1f} s", flush=True)
     wall = time.perf_counter() - started - gen_s
     row = {
-        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+        "modal": args.modal, "boundaries": kinds or None,
         "layers": args.layers, "q_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.dim, "tokens": args.tokens,
-        "dtype": "bf16", "head_space": args.head_space, "search_s": round(wall, 2),
+        "dtype": str(dtype).removeprefix("torch."), "head_space": args.head_space, "search_s": round(wall, 2),
         **{k: round(v, 2) for k, v in totals.items()},
         "cost_measurement_and_other_s": round(wall - sum(totals.values()), 2), "patterns": mix,
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(row, indent=1) + "\n")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(row, indent=1) + "\n")
     print(json.dumps(row))
 
 

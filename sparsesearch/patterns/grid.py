@@ -155,10 +155,10 @@ def estimate_stride_phase(
     q [B, Hq, Nq, D], k [B, Hkv, Nk, D]. Â = softmax(Q[-last_q:] K^T * scale) with the causal corner masked
     (summed over the GQA group for head_space "kv"); its column mass is viewed as [Nk / s, s] for every
     candidate stride s. The score of (s, phase) is the mean column mass on that phase over the mean column
-    mass (1.0 for flat attention), so strides of different sizes compare fairly. Strides are tried in
-    the given order and, as in Alg. 1, a later one must beat the best so far, here by a factor
-    (1 + min_gain): a multiple of the true stride scores the same as the true stride (it keeps every
-    other line at twice the lift), so list candidates from small to large.
+    mass (1.0 for flat attention), so strides of different sizes compare fairly. A multiple of the true
+    stride keeps a subset of the same lines and scores the same up to noise (sometimes a little higher),
+    a divisor dilutes its lines with empty columns and scores lower; so each head takes the *smallest*
+    stride whose score is within a factor (1 + min_gain) of the best score over all strides.
 
     Only vertical lines are visible from the last rows; horizontal lines cannot be estimated this way.
     Returns stride, phase (int64 [B, H]) and score (float32 [B, H]).
@@ -171,9 +171,7 @@ def estimate_stride_phase(
     columns, _ = last_q_sums(q, k, last_q, head_space=head_space, scale=scale, diagonals=False)
     kv_len = columns.shape[-1]
     mean_mass = columns.sum(-1, keepdim=True) / kv_len
-    best_score = torch.full(columns.shape[:2], float("-inf"), device=q.device)
-    best_stride = torch.zeros(columns.shape[:2], dtype=torch.int64, device=q.device)
-    best_phase = torch.zeros_like(best_stride)
+    scores, phases = [], []
     for stride in strides:  # a handful of candidates: the loop is over the search space, not heads or blocks
         folds = num_blocks(kv_len, stride)
         padded = torch.nn.functional.pad(columns, (0, folds * stride - kv_len))
@@ -183,10 +181,18 @@ def estimate_stride_phase(
         lift = mass / count.clamp(min=1) / mean_mass.clamp_min(1e-30)
         lift = lift.masked_fill(count == 0, float("-inf"))
         score, phase = lift.max(dim=-1)
-        better = score > best_score * (1.0 + min_gain)
-        best_score = torch.where(better, score, best_score)
-        best_stride = torch.where(better, torch.full_like(best_stride, stride), best_stride)
-        best_phase = torch.where(better, phase, best_phase)
+        scores.append(score)
+        phases.append(phase)
+    order = sorted(range(len(strides)), key=lambda i: strides[i])
+    score = torch.stack([scores[i] for i in order])  # [S, B, H], ascending stride
+    phase = torch.stack([phases[i] for i in order])
+    best = score.max(dim=0).values
+    eligible = score * (1.0 + min_gain) >= best
+    first = eligible.int().argmax(dim=0)  # the smallest eligible stride
+    stride_values = torch.tensor([strides[i] for i in order], dtype=torch.int64, device=q.device)
+    best_stride = stride_values[first]
+    best_phase = phase.gather(0, first[None]).squeeze(0)
+    best_score = score.gather(0, first[None]).squeeze(0)
     return best_stride, best_phase, best_score
 
 

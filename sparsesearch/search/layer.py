@@ -177,7 +177,7 @@ def _head_groups(candidate, resolved, q, k, space, heads, block_m, block_n) -> l
     their own (stride, phase) from the online estimate (paper 000 Alg. 1)."""
     if not (isinstance(resolved, tuple) and resolved[0] == "estimate"):
         return [HeadGroup(candidate.pattern, resolved, tuple(range(heads)), block_m, block_n)]
-    values = dict(resolved[1])
+    values = {k: v for k, v in resolved[1].items() if k not in ("stride", "phase")}  # estimated below
     strides = [s for s in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if s < q.shape[2] // 2] or [2]
     stride, phase, _ = grid.estimate_stride_phase(q, k, strides, head_space=space)
     by_params: dict = {}
