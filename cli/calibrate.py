@@ -37,6 +37,9 @@ def calibrate(
 ) -> None:
     """Search the sparse pattern of every layer and head and write it as an artifact.
 
+    Multi-modal data (synthetic:mixed|frames, a VLM's inputs) also searches every modality region and
+    picks each head's boundary type (none/K/Q/2D); text-only data searches the global pattern alone.
+
     Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
     """
     from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, effective_densities

@@ -303,6 +303,11 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
         **{
             "objective": cfg.objective, "head_space": cfg.head_space, "cost_model": costs.kind,
             "boundary_search": _boundary_summary(rows, boundary_report, space),
+            "kernels": {
+                "global_and_intra_regions": "our block-sparse kernels (Triton on a GPU, the index-driven torch backend on a CPU)",
+                "grid": "runs its un-permuted block cover (every key block a line touches) until the permutation kernels land; costs count that cover",
+                "cross_row_key_regions": "torch reference path, analytic cost, until the permutation kernels land",
+            },
             "max_tokens": cfg.max_tokens, "samples": cfg.samples,
             "timings_s": {"search": round(search_s, 2), **{k: round(v, 2) for k, v in dataclasses.asdict(total).items()}},
             "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},

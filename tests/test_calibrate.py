@@ -158,20 +158,23 @@ def _cfg(model, out, space_file, **kw):
     return CalibrateConfig(**base)
 
 
+class _Killed(Exception):
+    pass
+
+
+def _kill_after_first_layer(sample, layer, total):
+    """A Progress hook that stops calibrate once layer 0 is saved, like a kill."""
+    if layer == 0:
+        raise _Killed
+
+
 def test_resume_gives_the_identical_artifact(tiny_model, space_file, tmp_path):
     whole = calibrate(_cfg(tiny_model, tmp_path / "whole", space_file))
     assert whole.path.is_dir() and (tmp_path / "whole" / "heads.parquet").is_file()
     assert whole.fidelity is not None and whole.fidelity["samples"] == 1 and math.isfinite(whole.fidelity["next_token_kl"])
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_first(sample, layer, total):
-        if layer == 0:
-            raise Killed
-
-    with pytest.raises(Killed):
-        calibrate(_cfg(tiny_model, tmp_path / "resumed", space_file), Progress(layer=kill_after_first))
+    with pytest.raises(_Killed):
+        calibrate(_cfg(tiny_model, tmp_path / "resumed", space_file), Progress(layer=_kill_after_first_layer))
     assert not (tmp_path / "resumed").exists(), "nothing half-written at the target"
     assert len(list((tmp_path / "resumed.partial").glob("s0_l*.json"))) == 1, "layer 0 was saved before the kill"
     resumed = calibrate(_cfg(tiny_model, tmp_path / "resumed", space_file, resume=True))
@@ -247,15 +250,8 @@ def test_multimodal_resume_gives_the_identical_artifact(tiny_model, boundary_spa
     kw = dict(data="synthetic:mixed", eval_data="")
     whole = calibrate(_cfg(tiny_model, tmp_path / "whole", boundary_space_file, **kw))
 
-    class Killed(Exception):
-        pass
-
-    def kill_after_first(sample, layer, total):
-        if layer == 0:
-            raise Killed
-
-    with pytest.raises(Killed):
-        calibrate(_cfg(tiny_model, tmp_path / "resumed", boundary_space_file, **kw), Progress(layer=kill_after_first))
+    with pytest.raises(_Killed):
+        calibrate(_cfg(tiny_model, tmp_path / "resumed", boundary_space_file, **kw), Progress(layer=_kill_after_first_layer))
     saved = {p.name for p in (tmp_path / "resumed.partial").glob("s0_l0*")}
     assert "s0_l0.boundary.json" in saved and "s0_l0_video-text.json" in saved
     resumed = calibrate(_cfg(tiny_model, tmp_path / "resumed", boundary_space_file, resume=True, **kw))
