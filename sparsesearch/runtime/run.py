@@ -47,23 +47,28 @@ class Runner:
 
     def attend(self, layer: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                modality: torch.Tensor | None = None) -> torch.Tensor:
+        """modality: int [N] ids of this call's tokens (a padded batch's per-sequence call), else the
+        runner's own ``modality`` when its shape fits the call."""
         batch, q_heads, n, dim = q.shape
         scale = 1.0 / math.sqrt(dim) if scale is None else scale
         buf = torch.empty(batch, n, q_heads, dim, dtype=q.dtype, device=q.device)
         out = buf.transpose(1, 2)
-        lse = torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device)
         if layer.kind == "triangle":
-            self._triangle(layer.triangle, q, k, v, scale, out, lse)
-            self._audit(layer, q, k, v, scale, out)
-            return out
+            self._triangle(layer.triangle, q, k, v, scale, out, torch.empty(batch, q_heads, n, dtype=torch.float32, device=q.device))
+        else:
+            modality = self._modality_for(layer, batch, n) if modality is None else modality[None]
+            # Regions differ per sequence: boundary layers run one batch row at a time (not one head).
+            rows = [slice(b, b + 1) for b in range(batch)] if layer.boundary and modality is not None and batch > 1 else [slice(None)]
+            for sl in rows:
+                self._sparse(layer, q[sl], k[sl], v[sl], scale, None if modality is None else modality[sl], out[sl])
+        self._audit(layer, q, k, v, scale, out)
+        return out
+
+    def _sparse(self, layer: LayerPlan, q, k, v, scale: float, modality: torch.Tensor | None, out) -> None:
+        """Head groups (and, with modality ids [B, N] for one batch row, boundary heads) into out."""
+        q_heads = q.shape[1]
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         group = q_heads // k.shape[1]
-        modality = self._modality_for(layer, batch, n) if modality is None else modality
-        if layer.boundary and modality is not None and batch > 1:
-            # Regions differ per sequence: one call per batch row (a loop over the batch, not over heads).
-            for b in range(batch):
-                out[b : b + 1] = self.attend(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], scale=scale, modality=modality[b])
-            self._audit(layer, q, k, v, scale, out)
-            return out
         covered: set[int] = set()
         by_region: set[int] = set()
         if layer.boundary and modality is not None:
@@ -82,8 +87,6 @@ class Runner:
         rest = [h for h in range(q_heads) if h not in covered]
         if rest:
             _dense_heads(q, k, v, rest, group, scale, out)
-        self._audit(layer, q, k, v, scale, out)
-        return out
 
     def attend_last_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         """Only the final query row attends (every key); other rows are zeros. Returns [B, Hq, N, D] view."""
