@@ -22,6 +22,7 @@ def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = No
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     text = [r for r in rows if r["q_modality"] == "all" and r["k_modality"] == "all"]
     heads = max(r["head"] for r in text) + 1 if text else 1
@@ -41,6 +42,7 @@ def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = No
         for head in range(heads):
             ax.text(head, layer, labels[layer][head], ha="center", va="center", fontsize=6, color="white")
     ax.set_xticks(range(heads))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(f"{info.id}\npattern per head · numbers: density % · K/Q/2D: boundary type", fontsize=10)
