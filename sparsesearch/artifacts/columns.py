@@ -3,6 +3,11 @@
 One row per (layer, head[, q_modality, k_modality]). A row's pattern parameters live in typed, nullable
 columns named after the fields of the pattern's params dataclass (sparsesearch.patterns.PARAMS); columns
 a pattern does not use are null. ``params_from_row`` / ``row_from_params`` convert both ways.
+
+Modality regions (patterns/boundary.py): (all, all) is the global pattern every head has; (a, a) intra,
+(a, b) cross, (a, all) the rows of a (Q-boundary), (all, b) the keys of b (K-boundary). ``boundary`` is the
+head's chosen type and is the same on every row of the head; the runtime runs the regions of that type
+(none: the global row) and ignores the head's other rows, which stay as the searched alternatives.
 """
 
 from __future__ import annotations
