@@ -5,7 +5,7 @@
 
 With --modal the sequence is video frames interleaved with text segments (~25% text, like MM-NIAH) and
 each layer runs search_modal_layer: the global, intra, cross, row and key regions, then the none/K/Q/2D
-composition per head (permuted regions on the torch reference path).
+composition per head.
 
 Per layer: synthetic post-RoPE q/k/v with real structure (positional features so attention is local,
 a few heavy "vertical" keys per head, noise), then the same `score_layer` calibrate runs, with measured

@@ -247,7 +247,7 @@ def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
             counts[kind] = counts.get(kind, 0) + 1
     return {
         "types": list(space.boundaries), "tolerance": TOLERANCE, "order": list(BOUNDARIES), "chosen": counts,
-        "region_path": "permuted (cross, row, key) regions ran on the torch reference path and are costed by the analytic model; the permutation kernels are a later issue",
+        "region_path": "every region ran on our kernels over gathered copies of its rows and keys (the region frame row_pos for cross, row and key regions), costed like any candidate",
         "scores": report,
     }
 
@@ -306,7 +306,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
             "kernels": {
                 "global_and_intra_regions": "our block-sparse kernels (Triton on a GPU, the index-driven torch backend on a CPU)",
                 "grid": "runs its un-permuted block cover (every key block a line touches) until the permutation kernels land; costs count that cover",
-                "cross_row_key_regions": "torch reference path, analytic cost, until the permutation kernels land",
+                "cross_row_key_regions": "the same kernels with the region frame (row_pos) over gathered copies of the region's rows and keys; in-place permuted loads are a later issue",
             },
             "max_tokens": cfg.max_tokens, "samples": cfg.samples,
             "timings_s": {"search": round(search_s, 2), **{k: round(v, 2) for k, v in dataclasses.asdict(total).items()}},

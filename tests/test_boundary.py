@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import planted_boundary as pb
+from conftest import DEVICE
 from sparsesearch.index import to_block_masks
 from sparsesearch.patterns import ashape, block_topk, boundary, dense, vertical_slash
 from sparsesearch.patterns._common import index_entries, last_q_sums, region_causal_entries
@@ -112,6 +113,42 @@ def test_region_index_reference_path_and_entries(pattern, params):
             cols = to_column_mask(index, nk)[..., torch.arange(nq) // 16, :] & (torch.arange(nk)[None, :] <= row_pos[:, None])
             listed = listed | cols
         assert index_entries(index, nq, nk, row_pos=region.row_pos) == int(listed.sum()), region.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern, params", PATTERNS[1:], ids=[p for p, _ in PATTERNS[1:]])
+def test_triton_kernel_runs_region_frames(pattern, params, dtype):
+    """The block-sparse Triton kernel with row_pos (interpreter on CPU, compiled on a GPU) against the
+    oracle on the index's token mask, on every 2D region — rows before any key included."""
+    from sparsesearch.kernels import block_sparse_attention
+
+    ids = layout_ids()
+    q, k, v = (t.to(DEVICE, dtype) for t in qkv(ids.numel()))
+    for region in boundary.regions("2d", ids, NAMES):
+        q_r, k_r, v_r = region.gather(q, k, v)
+        row_pos = None if region.row_pos is None else region.row_pos.to(DEVICE)
+        index = build_group_index(HeadGroup(pattern, params, (0, 1), 16, 16), q_r, k_r, "kv", row_pos)
+        out, lse = block_sparse_attention(q_r, k_r, v_r, index, scale=0.125, row_pos=row_pos)
+        mask_fn = index_mask_fn(index, q_r.shape[2], k_r.shape[2], group=2, row_pos=row_pos)
+        ref, ref_lse = masked_attention(q_r, k_r, v_r, mask_fn, scale=0.125)
+        low, _ = masked_attention(q_r, k_r, v_r, mask_fn, scale=0.125, upcast=False)
+        tol = 2 * relative_error(low, ref) + 1e-5
+        assert relative_error(out, ref) <= tol, region.name
+        empty = torch.isinf(ref_lse)
+        assert torch.equal(torch.isinf(lse), empty) and not bool(out.isnan().any()), region.name
+
+
+def test_region_kernel_refuses_bad_frames():
+    from sparsesearch.kernels import block_sparse_attention
+
+    q, k, v = qkv(40, q_heads=2, kv_heads=1)
+    index = dense.build_index(None, 40, 40, heads=1, block_m=16, block_n=16, head_space="kv", row_pos=torch.arange(40))
+    with pytest.raises(ValueError, match="nondecreasing"):
+        block_sparse_attention(q, k, v, index, row_pos=torch.arange(40).flip(0))
+    with pytest.raises(ValueError, match="dense"):
+        block_sparse_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), index,
+                               cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32),
+                               row_pos=torch.arange(40))
 
 
 def test_region_ashape_keeps_sink_and_the_keys_behind_the_frontier():

@@ -7,7 +7,8 @@ through the KV head of the query head's GQA group: they are never repeated in me
 
 Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformers order; any strides with
 a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
-bottom-right aligned (row i sits at key position i + kv_len - q_len). Outputs: out like q; lse fp32
+bottom-right aligned (row i sits at key position i + kv_len - q_len), or, for a permuted modality region,
+at row_pos[i]. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -27,7 +28,7 @@ from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpr
 def _block_sparse_fwd(
     Q, K, V, O, LSE,
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
-    CU_Q, CU_K, HEAD_MAP,
+    CU_Q, CU_K, HEAD_MAP, ROW_POS,
     qk_scale, q_len_max, kv_len_max, window, sink, heads_per_batch,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
@@ -41,7 +42,7 @@ def _block_sparse_fwd(
     GROUP: tl.constexpr, INDEX_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_HEAD_MAP: tl.constexpr,
+    USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -82,7 +83,11 @@ def _block_sparse_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
     row_ok = offs_m < q_len
-    pos = offs_m + (kv_len - q_len)
+    if HAS_ROW_POS:
+        # A permuted region: each row's frontier among the keys (-1: none yet; padded rows too).
+        pos = tl.load(ROW_POS + offs_m, mask=row_ok, other=-1)
+    else:
+        pos = offs_m + (kv_len - q_len)
     q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + offs_m).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start.to(tl.int64) * stride_kn
@@ -210,6 +215,7 @@ def block_sparse_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: dict | None = None,
+    row_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of q over the keys the index admits.
 
@@ -220,8 +226,10 @@ def block_sparse_attention(
     head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages) for tuning; None picks per device.
+    row_pos: int64 [Nq], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
+    admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq may exceed Nk.
     """
-    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos)
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
     q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
     space_heads = kv_heads if index.head_space == "kv" else q_heads
@@ -245,6 +253,7 @@ def block_sparse_attention(
         index.full_count, index.full_idx, index.partial_count, index.partial_idx,
         index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
         layout.cu_q, layout.cu_k, heads if served is not None else index.full_count,
+        row_pos if row_pos is not None else index.full_count,
         scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(index.full_count), *_index_strides(index.full_idx),
@@ -252,7 +261,7 @@ def block_sparse_attention(
         GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
-        USE_HEAD_MAP=served is not None,
+        USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
         **(config or _launch_config(index.block_m, index.block_n, head_dim)),
     )
     return out, lse

@@ -37,8 +37,7 @@ def block_sparse_attention_torch(
 
     heads: int32 [Hs] index-space head ids this call computes (index row i = head heads[i]); others untouched.
     row_pos: int64 [Nq], a permuted modality region's frame — row i admits keys j <= row_pos[i] (-1: none;
-    patterns/boundary.py). This is the reference path of boundary regions on every device; None: the
-    bottom-right causal frame.
+    patterns/boundary.py); None: the bottom-right causal frame.
     """
     check_qkv(q, k, v, varlen=False, region=row_pos is not None)
     batch, q_heads, q_len, dim = q.shape

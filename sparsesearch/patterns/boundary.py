@@ -10,8 +10,9 @@ k_pos[j] <= q_pos[i]. Because both sides keep their order, that is ``j <= row_po
 and the torch reference path take ``row_pos`` and work in that frame, so a pattern means the same thing
 in every region: A-shape keeps the first ``sink`` keys of the region and the ``local`` keys just behind
 each row's frontier; a slash at offset d is the key d behind the frontier; block top-k forces the
-frontier's blocks. Intra-modality regions have the identity frame (row_pos None, the square causal case,
-which our Triton kernels run); the others run on the reference path until the permutation kernels land.
+frontier's blocks. Intra-modality regions have the identity frame (row_pos None, the square causal case).
+Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU) over contiguous copies of
+its rows and keys (``Region.gather``); reading them in place is the job of the permutation kernels.
 
 Which regions a boundary type composes (rows of one modality always merge their regions' partial
 outputs by log-sum-exp into the exact attention over the union of the regions' keys):

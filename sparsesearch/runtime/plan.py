@@ -91,7 +91,7 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
     if kinds:
         counts = {k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))}
         notes.append(f"boundary heads {counts}: their region patterns run when a call carries modality ids "
-                     "(runtime.set_modality); permuted regions take the torch reference path until the permutation kernels land")
+                     "(runtime.set_modality), on gathered copies of each region's rows and keys")
     tri = (manifest.get("methods") or {}).get("trianglemix") or {}
     start = tri.get("start_layer")
     tri_params = None

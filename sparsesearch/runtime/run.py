@@ -137,8 +137,8 @@ class Runner:
 
 def attend_boundary(layer: LayerPlan, q, k, v, modality: torch.Tensor, space: str, scale: float, out) -> set[int]:
     """The layer's boundary heads, each by its type's regions (patterns/boundary.py): per region, one index
-    build and one launch per head group on the gathered rows/keys (our kernels for intra regions, the
-    torch reference path for permuted ones), partials merged by lse into ``out``. q [1, Hq, N, D],
+    build and one launch per head group on the region's gathered rows/keys (the region frame row_pos for
+    permuted ones), partials merged by lse into ``out``. q [1, Hq, N, D],
     modality int [N]. Returns the heads (plan space) done; a head lacking a row for one of its regions
     (a modality its calibration never saw) is left to its global pattern."""
     from ..models.modality import MODALITIES
@@ -208,22 +208,16 @@ def _query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
 
 
 def sparse_attend(q, k, v, index, scale, heads, out, lse, row_pos=None) -> None:
-    """One launch over the heads of `heads`: Triton on CUDA, the index-driven torch backend on CPU and
-    for permuted regions (row_pos given) on every device — their reference path until the permutation
-    kernels exist."""
-    if row_pos is not None:
-        from ..kernels.torch_sparse import block_sparse_attention_torch
-
-        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos)
-        return
+    """One launch over the heads of `heads`: Triton on CUDA, the index-driven torch backend on CPU.
+    row_pos: a permuted region's frame (q/k/v are the region's gathered rows and keys)."""
     if q.is_cuda:
         from ..kernels import block_sparse_attention
 
-        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse)
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos)
     else:
         from ..kernels.torch_sparse import block_sparse_attention_torch
 
-        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse)
+        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos)
 
 
 def _dense_heads(q, k, v, heads: list[int], group: int, scale: float, out) -> None:

@@ -8,9 +8,9 @@
    sequence, and the head takes the best type within the budget.
 
 Every region is searched by the same kernel-aware search as a text layer (search/layer.py: the budget is
-the target's cost on the same region, the objective uses V). Regions other than intra and the global one
-run on the torch reference path and are costed by the analytic model until the permutation kernels land;
-the composition's cost is analytic for all four types so they compare on one scale.
+the target's cost on the same region, the objective uses V). A region's rows and keys are gathered into
+contiguous copies and run by the same kernels with the region frame (row_pos): measured on a GPU,
+modelled on a CPU. A type's cost is the sum of its picks' costs, its budget the global region's.
 
 Choice rule: the types are tried in order none, k, q, 2d (the runtime cost of the permutations grows in
 that order; paper 000 B.1: none and K cost nothing beyond intra-modality attention). A head takes the
@@ -29,7 +29,7 @@ from ..patterns import boundary as bd
 from ..patterns._common import causal_entries
 from ..runtime.plan import HeadGroup
 from ..runtime.run import build_group_index, sparse_attend
-from .cost import CostModel, analytic_ms
+from .cost import CostModel
 from .layer import Scored, Timings, choose, dense_reference, output_error, score_layer
 from .space import SearchSpace
 
@@ -87,12 +87,10 @@ def run_picks(q, k, v, region: bd.Region, picks: list[tuple[Scored, int]], head_
     return out, lse
 
 
-def pick_cost(picks: list[tuple[Scored, int]], region: bd.Region, dim: int) -> torch.Tensor:
-    """Analytic cost per head (float64 [H]) of the picks on this region (density x its causal entries)."""
-    entries = region.causal_entries
-    kv_len = region.k_idx.numel()
-    return torch.tensor([float(analytic_ms(s.candidate.pattern, s.density[h : h + 1] * entries, dim, kv_len)[0]) for s, h in picks],
-                        dtype=torch.float64)
+def pick_cost(picks: list[tuple[Scored, int]]) -> torch.Tensor:
+    """Cost per head (float64 [H]) of the picks: each candidate's cost on its region (measured on a GPU,
+    modelled on a CPU — the same scale as the global region's budget)."""
+    return torch.tensor([float(s.cost_ms[h]) for s, h in picks], dtype=torch.float64)
 
 
 def boundary_scores(
@@ -102,7 +100,7 @@ def boundary_scores(
     """Compose each boundary type from its regions' chosen patterns and score it against dense attention
     of the whole sequence. Returns {"budget_ms": [H], "types": {type: {"error", "recall", "cost_ms", "density": [H]}}}
     (density: computed entries of all its regions over the sequence's causal entries)."""
-    n, dim = q.shape[2], q.shape[-1]
+    n = q.shape[2]
     group = q.shape[1] // k.shape[1]
     block = space.block_m if space.block_m == space.block_n else 64
     ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale)
@@ -122,26 +120,15 @@ def boundary_scores(
             if region.name not in cache:
                 cache[region.name] = run_picks(q, k, v, region, picks, head_space, space.block_m, space.block_n, scale)
             parts.append((region, *cache[region.name]))
-            c = pick_cost(picks, region, dim)
+            c = pick_cost(picks)
             cost = c if cost is None else cost + c
             e = torch.tensor([float(s.density[h]) * region.causal_entries for s, h in picks], dtype=torch.float64)
             entries = e if entries is None else entries + e
         out, lse = bd.compose(parts, n)
         error, recall = output_error(out, lse, ref_out, ref_lse, head_space, group)
         types[kind] = {"error": error.tolist(), "recall": recall.tolist(), "cost_ms": cost.tolist(), "density": (entries / total).tolist()}
-    target = analytic_ms(space.target.pattern, torch.tensor([_target_entries(space, n, dim)]), dim, n)
-    heads = len(next(iter(types.values()))["error"])
-    budget = [float(target[0]) * (1.0 + space.budget_slack)] * heads
-    return {"budget_ms": budget, "types": types}
-
-
-def _target_entries(space: SearchSpace, n: int, dim: int) -> float:
-    """Computed entries of the target pattern on the whole sequence (its density x causal entries)."""
-    from ..patterns import REGISTRY
-
-    params = space.resolve(space.target, n)
-    module = REGISTRY[space.target.pattern]
-    return float(module.density(params, n, block_m=space.block_m, block_n=space.block_n)) * causal_entries(n)
+    # The budget of the whole sequence is the global region's: the target's cost there, plus slack.
+    return {"budget_ms": results[bd.scope_name(bd.ALL, bd.ALL)].budget.tolist(), "types": types}
 
 
 def choose_boundary(types: dict[str, dict], budget: list[float], objective: str, order: tuple[str, ...] = bd.BOUNDARIES,

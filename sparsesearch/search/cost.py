@@ -7,8 +7,8 @@ build_s) -> float64 [H]`` (milliseconds per head), so the search prunes the same
   patterns are cached per (device, shape, pattern, density) in memory and in a JSON file.
 - ``AnalyticCost`` models the kernel as its computed elements at a nominal rate (4·D FLOPs per element)
   plus, for dynamic patterns, the last_q x N estimate; it is what a CPU run records, labelled modelled.
-  Permuted modality regions are costed with it on every device (``analytic_ms``): they run on the torch
-  reference path until the permutation kernels exist, and timing that path would rank nothing real.
+  A permuted modality region on a CPU is costed by its own entries (``analytic_ms``); on a GPU it is timed
+  like any candidate (``n`` is then the region's key count).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class MeasuredCost:
         key = None
         if pattern not in DYNAMIC:
             name = torch.cuda.get_device_name(q.device)
-            key = f"{name}|{tuple(q.shape)}|{q.dtype}|{pattern}|{float(density.sum()):.6f}|{index.block_m}x{index.block_n}"
+            key = f"{name}|{tuple(q.shape)}|{n}|{q.dtype}|{pattern}|{float(density.sum()):.6f}|{index.block_m}x{index.block_n}"
             if key in self._cache:
                 return torch.full((heads,), self._cache[key] / heads, dtype=torch.float64)
         run()  # warm-up (compiles on first use)

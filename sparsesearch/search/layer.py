@@ -111,7 +111,7 @@ def score_candidate(
     scale: float, costs: CostModel, timings: Timings, budget: torch.Tensor | None = None, row_pos: torch.Tensor | None = None,
 ) -> Scored:
     """Build, cost, run and score one candidate for every head of the layer (or of one permuted region,
-    row_pos given: costed by the analytic model, run on the reference path).
+    row_pos given: q are its rows, k/v its keys).
 
     Pruning comes first: the index alone gives each head's cost, and heads over `budget` are not run —
     when no head is within budget the candidate's attention is never computed (error inf, recall 0).
@@ -136,10 +136,11 @@ def score_candidate(
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
         dens = head_density(index, n, kv_len, row_pos)
         density[list(g.heads)] = dens
-        if row_pos is None:
-            cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, n, q, index, lambda: sparse_attend(q, k, v, index, scale, ids, out, lse), build_s)
-        else:
+        if row_pos is not None and costs.kind == "analytic":  # the model counts a region's own entries
             cost[list(g.heads)] = analytic_ms(g.pattern, dens * region_causal_entries(row_pos), q.shape[-1], kv_len)
+        else:
+            run = lambda: sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)  # noqa: B023 (called at once)
+            cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, kv_len, q, index, run, build_s)
         for h in g.heads:
             params[h] = g.params
         within = budget is None or bool((cost[list(g.heads)] <= budget[list(g.heads)]).any())
