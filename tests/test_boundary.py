@@ -24,6 +24,8 @@ from sparsesearch.search.layer import choose
 from sparsesearch.search.space import parse_space
 
 NAMES = ("text", "image", "video")
+# Error floor over the low-precision oracle's error (fp32 dots run as TF32 on a GPU), as in test_kernels.
+FLOOR = {torch.bfloat16: 4e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
 # Three modalities in interleaved spans of unequal lengths; text first, so every row sees a key.
 LAYOUT = [(0, 20), (2, 37), (0, 11), (1, 29), (2, 45), (0, 26), (1, 18), (0, 14)]
 PATTERNS = [
@@ -132,7 +134,7 @@ def test_triton_kernel_runs_region_frames(pattern, params, dtype):
         mask_fn = index_mask_fn(index, q_r.shape[2], k_r.shape[2], group=2, row_pos=row_pos)
         ref, ref_lse = masked_attention(q_r, k_r, v_r, mask_fn, scale=0.125)
         low, _ = masked_attention(q_r, k_r, v_r, mask_fn, scale=0.125, upcast=False)
-        tol = 2 * relative_error(low, ref) + 1e-5
+        tol = 2 * relative_error(low, ref) + FLOOR[dtype]
         assert relative_error(out, ref) <= tol, region.name
         empty = torch.isinf(ref_lse)
         assert torch.equal(torch.isinf(lse), empty) and not bool(out.isnan().any()), region.name

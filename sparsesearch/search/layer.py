@@ -85,7 +85,7 @@ def dense_reference(q, k, v, space: str, block: int, scale: float, row_pos: torc
         index = dense.build_index(None, n, k.shape[2], heads=heads, block_m=block, block_n=block, head_space=space, device=q.device, row_pos=row_pos)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        sparse_attend(q, k, v, index, scale, torch.arange(heads, dtype=torch.int32), out, lse, row_pos)
+        sparse_attend(q, k, v, index, scale, torch.arange(heads, dtype=torch.int32, device=q.device), out, lse, row_pos)
         return out, lse
     if not q.is_cuda and cpu_flash is not None:
         group = q.shape[1] // k.shape[1]
