@@ -51,15 +51,21 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
         if parts:
             out_console.print("mean " + "; ".join(parts), highlight=False)
     patterns = list(summary["patterns"])
-    table = Table(title=f"pattern mix per layer ({summary['rows']} rows)")
+    regions = sum(n for pair, n in summary["modality_pairs"].items() if pair != "all->all")
+    title = f"pattern mix per layer ({summary['rows'] - regions} global rows" + (f", plus {regions} modality-region rows)" if regions else ")")
+    table = Table(title=title)
     table.add_column("layer", justify="right")
     for name in patterns:
         table.add_column(name, justify="right")
+    boundaries = any(layer["boundaries"] for layer in summary["layers"])
+    if boundaries:
+        table.add_column("boundary heads")
     table.add_column("mean density", justify="right")
     table.add_column("mean score", justify="right")
     for layer in summary["layers"]:
+        kinds = [", ".join(f"{k}×{n}" for k, n in layer["boundaries"].items()) or "-"] if boundaries else []
         table.add_row(
-            str(layer["layer"]), *(str(layer["patterns"].get(p, 0)) for p in patterns),
+            str(layer["layer"]), *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds,
             _num(layer["mean_density"]), _num(layer["mean_score"]),
         )
     out_console.print(table)

@@ -243,6 +243,13 @@ def test_multimodal_calibrate_writes_regions_and_a_boundary_per_head(tiny_model,
         assert set(scores) >= {"none", "k", "q", "2d"}
     assert res.manifest["modalities"]["names"]["video"] == 2  # named by the data, not by the text model
     assert load_artifact(tmp_path / "mm").manifest == res.manifest
+    from sparsesearch.artifacts.summary import summarize
+
+    summary = summarize(load_artifact(tmp_path / "mm"))
+    assert all(layer["rows"] == 1 for layer in summary["layers"]), "per-layer figures cover the global rows"
+    chosen = sum(sum(layer["boundaries"].values()) for layer in summary["layers"])
+    assert chosen == sum(n for kind, n in report["chosen"].items() if kind != "none")
+    assert summary["modality_pairs"]["video->text"] == 3
     assert res.fidelity is not None and math.isfinite(res.fidelity["next_token_kl"])
 
 

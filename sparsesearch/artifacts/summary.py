@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from statistics import fmean
 
+from .columns import ALL_MODALITIES
 from .io import Artifact
 from .tables import HEADS_FILE
 
@@ -18,14 +19,17 @@ def _stats(values: list[float]) -> dict | None:
 
 
 def summarize(artifact: Artifact) -> dict:
-    """Model, provenance, methods, files, and per-layer pattern mix with mean density and score."""
+    """Model, provenance, methods, files, and per-layer pattern and boundary mix with mean density and
+    score. Per-layer figures and metrics cover the global (all x all) rows, one per head; the modality
+    region rows of multi-modal calibrations are counted in ``modality_pairs``."""
     m = artifact.manifest
     model = m["model"]
     rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
-    patterns = sorted({r["pattern"] for r in rows})
+    global_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES and r["k_modality"] == ALL_MODALITIES]
+    patterns = sorted({r["pattern"] for r in global_rows})
     layers = []
     for layer in range(model["num_layers"]):
-        mine = [r for r in rows if r["layer"] == layer]
+        mine = [r for r in global_rows if r["layer"] == layer]
         counts = Counter(r["pattern"] for r in mine)
         densities = [r["density"] for r in mine if r["density"] is not None]
         scores = [r["score"] for r in mine if r["score"] is not None]
@@ -33,6 +37,7 @@ def summarize(artifact: Artifact) -> dict:
             "layer": layer,
             "rows": len(mine),
             "patterns": {p: counts.get(p, 0) for p in patterns},
+            "boundaries": dict(sorted(Counter(r["boundary"] for r in mine if r["boundary"] != "none").items())),
             "mean_density": fmean(densities) if densities else None,
             "mean_score": fmean(scores) if scores else None,
         })
@@ -51,6 +56,6 @@ def summarize(artifact: Artifact) -> dict:
         "patterns": dict(sorted(Counter(r["pattern"] for r in rows).items())),
         "boundaries": dict(sorted(Counter(r["boundary"] for r in rows).items())),
         "modality_pairs": dict(sorted(Counter(f"{r['q_modality']}->{r['k_modality']}" for r in rows).items())),
-        "metrics": {name: _stats([r[name] for r in rows if r[name] is not None]) for name in METRICS},
+        "metrics": {name: _stats([r[name] for r in global_rows if r[name] is not None]) for name in METRICS},
         "layers": layers,
     }
