@@ -286,7 +286,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
             continue
         on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress)
         progress.stage(f"searching sample {si + 1}/{len(samples)}")
-        inputs = {"input_ids": sample.input_ids[None].to(device)}
+        inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
         capture_qkv(model, inputs, on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
     search_s = time.perf_counter() - started
 
@@ -394,8 +394,10 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, dat
         sample = held_out(data, tokenizer, max_tokens=tokens, seed=seed + i)
         ids = sample.input_ids[None].to(device)
         new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
+        pad = getattr(tokenizer, "tokenizer", tokenizer).eos_token_id  # a VLM's processor holds its tokenizer
         gen = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                   pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids))
+                   pad_token_id=pad, attention_mask=torch.ones_like(ids),
+                   **{k: v.to(device) for k, v in sample.inputs.items()})
         with torch.no_grad():
             dense = model.generate(ids, **gen)
             apply(model, artifact, min_tokens=min_tokens)

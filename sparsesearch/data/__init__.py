@@ -3,7 +3,7 @@
 Public API::
 
     TEXT, IMAGE, VIDEO = 0, 1, 2                         # modality ids, as in sparsesearch.models
-    Sample(input_ids [N], modality [N], text, answer, answer_ids [A], source, meta)
+    Sample(input_ids [N], modality [N], text, answer, answer_ids [A], source, meta, inputs)
     load_calibration(spec, tokenizer, *, max_tokens, samples=1, seed=0, chat=True,
                      frame_tokens=None, edit_rate=0.03) -> list[Sample]
     held_out(spec, tokenizer, *, max_tokens, seed=0, chat=True, frame_tokens=None,
@@ -14,7 +14,8 @@ Public API::
 Specs: ``synthetic:kv-retrieval`` (paper 002 App. A.1, UUID v4 pairs), ``synthetic:passkey``,
 ``synthetic:frames`` (F frames x T ids, meta["frame_stride"] = T), ``synthetic:mixed`` (clips and text,
 ~25% text), or a path to a ``.jsonl`` / ``.parquet`` file or a ``save_to_disk`` directory with a
-``text`` or ``messages`` column. Details: sparsesearch/data/synthetic.py and files.py.
+``text`` or ``messages`` column; chat rows with images or videos go through a VLM's processor.
+Details: sparsesearch/data/synthetic.py, files.py and visual.py.
 """
 
 from .calibration import HELD_OUT_OFFSET, held_out, load_calibration, retrieval_correct

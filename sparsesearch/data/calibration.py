@@ -8,6 +8,7 @@ from ._text import as_tokenizer
 from .files import MIN_TOKENS, open_rows, seeded_order, usable_samples
 from .sample import Sample
 from .synthetic import GENERATORS
+from .visual import is_processor
 
 HELD_OUT_OFFSET = 10_000  # held_out(seed) generates synthetic sets with seed + HELD_OUT_OFFSET
 _CHAT_SETS = ("synthetic:kv-retrieval", "synthetic:passkey")
@@ -51,7 +52,8 @@ def load_calibration(
 
     spec:         ``synthetic:kv-retrieval`` | ``synthetic:passkey`` | ``synthetic:frames`` |
                   ``synthetic:mixed`` | a ``.jsonl`` / ``.parquet`` file | a save_to_disk directory.
-    tokenizer:    a transformers tokenizer (or a processor: its ``.tokenizer`` is used).
+    tokenizer:    a transformers tokenizer, or a VLM's processor: its ``.tokenizer`` for text, the processor
+                  itself for chat rows with images or videos (data/visual.py).
     max_tokens:   length cap per sample, >= 64. Files keep each row's first ``max_tokens`` tokens and skip
                   rows under 64 tokens; synthetic samples fill it (<= max_tokens, >= 90% of it).
     samples:      how many samples, >= 1. Synthetic sample i uses seed ``seed + i``; files take the first
@@ -72,10 +74,11 @@ def load_calibration(
         return [_generate(spec, tok, max_tokens=max_tokens, seed=seed + i, **options) for i in range(samples)]
     path = _resolve_path(spec)
     rows = open_rows(path)
-    found = usable_samples(tok, rows, seeded_order(len(rows), seed), max_tokens=max_tokens, source=str(path))
+    found = usable_samples(tok, rows, seeded_order(len(rows), seed), max_tokens=max_tokens, source=str(path),
+                           processor=tokenizer if is_processor(tokenizer) else None)
     out = [sample for _, sample in zip(range(samples), found)]
     if not out:
-        raise ValueError(f"no sample in {path} has >= {MIN_TOKENS} tokens")
+        raise ValueError(f"no sample in {path} has >= {MIN_TOKENS} tokens (rows with images or videos must also fit in max_tokens={max_tokens})")
     if len(out) < samples:
         raise ValueError(
             f"only {len(out)} rows of {path} have >= {MIN_TOKENS} tokens; asked for samples={samples}"
@@ -114,7 +117,8 @@ def held_out(
     path = _resolve_path(spec)
     rows = open_rows(path)
     order = seeded_order(len(rows), seed)[::-1]
-    sample = next(usable_samples(tok, rows, order, max_tokens=max_tokens, source=str(path)), None)
+    sample = next(usable_samples(tok, rows, order, max_tokens=max_tokens, source=str(path),
+                                 processor=tokenizer if is_processor(tokenizer) else None), None)
     if sample is None:
         raise ValueError(f"no sample in {path} has >= {MIN_TOKENS} tokens")
     sample.meta.update(seed=seed, held_out=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ._text import as_long, encode, has_chat_template, render_chat
 from .sample import TEXT, Sample
+from .visual import is_visual, visual_sample
 
 MIN_TOKENS = 64  # rows shorter than this are skipped: too short to show long-range attention
 FIELDS = ("text", "messages")  # looked for in this order
@@ -111,11 +112,18 @@ def row_ids(tok, value: object, field: str) -> tuple[list[int], str] | None:
     return encode(tok, text, special=True), text
 
 
-def usable_samples(tok, rows: Rows, order: list[int], *, max_tokens: int, source: str) -> Iterator[Sample]:
+def usable_samples(tok, rows: Rows, order: list[int], *, max_tokens: int, source: str, processor=None) -> Iterator[Sample]:
     """Samples from rows visited in ``order``, skipping rows under MIN_TOKENS; each keeps its first
-    ``max_tokens`` tokens (the start of a document carries its context; the end would need it)."""
+    ``max_tokens`` tokens (the start of a document carries its context; the end would need it). Chat rows
+    with images or videos go through ``processor`` (data/visual.py) and are skipped when too long."""
     for i in order:
-        got = row_ids(tok, rows.get(i), rows.field)
+        value = rows.get(i)
+        if rows.field == "messages" and is_visual(value):
+            sample = visual_sample(processor, value, rows.path.parent, max_tokens=max_tokens, source=source, row=i)
+            if sample is not None and len(sample) >= MIN_TOKENS:
+                yield sample
+            continue
+        got = row_ids(tok, value, rows.field)
         if got is None or len(got[0]) < MIN_TOKENS:
             continue
         ids, text = got

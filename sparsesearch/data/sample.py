@@ -30,6 +30,8 @@ class Sample:
                 points at the first token with content, the paper-002 y_gt. None without an answer.
     source:     the spec ("synthetic:passkey") or the resolved file path.
     meta:       plain-data details: seed, row, set parameters (frame_stride, frames, segments, ...).
+    inputs:     the other model inputs of a VLM prompt as its processor returned them (pixel_values,
+                image_sizes, image_grid_thw, ...); empty for text.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +41,7 @@ class Sample:
     answer_ids: torch.Tensor | None = None
     source: str = ""
     meta: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.input_ids.dtype != torch.long:
@@ -57,11 +60,15 @@ class Sample:
 
 def sha256_of(samples: Iterable[Sample]) -> str:
     """Provenance hash of a calibration set: sha256 over, per sample in order, its length as 8 little-endian
-    bytes followed by its input_ids as int64 little-endian. Independent of device, dtype width and torch
+    bytes followed by its input_ids as int64 little-endian, then (VLM prompts only) each extra input by
+    name: its shape and its values as float32 little-endian. Independent of device, dtype width and torch
     version; the length prefix keeps [a, b] + [c] distinct from [a] + [b, c]."""
     h = hashlib.sha256()
     for sample in samples:
         ids = sample.input_ids.detach().to("cpu", torch.long).numpy().astype("<i8", copy=False)
         h.update(np.int64(ids.size).astype("<i8").tobytes())
         h.update(ids.tobytes())
+        for name in sorted(sample.inputs):
+            value = sample.inputs[name].detach().to("cpu", torch.float32).numpy().astype("<f4", copy=False)
+            h.update(name.encode() + np.asarray(value.shape, dtype="<i8").tobytes() + value.tobytes())
     return h.hexdigest()

@@ -33,8 +33,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",  # Qwen2, Qwen2.5 (incl. -1M / YaRN rope)
     "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL: mRoPE, image/video token ids
     "LlavaOnevisionForConditionalGeneration",  # LLaVA-OneVision and LLaVA-Video (-hf ports): Qwen2 text model
+    "LlavaForConditionalGeneration",  # LLaVA-1.5 (-hf ports): CLIP/SigLIP tower + Llama/Mistral/Qwen2 text model
 )
-VLM_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration", "LlavaOnevisionForConditionalGeneration"})
+VLM_ARCHITECTURES = frozenset({
+    "Qwen2_5_VLForConditionalGeneration", "LlavaOnevisionForConditionalGeneration", "LlavaForConditionalGeneration",
+})
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?(@[\w.\-/]+)?$")
