@@ -2,7 +2,8 @@
 
 For every pattern: build its index from random Q/K (dynamic patterns estimate online), run the Triton
 kernel (the CPU interpreter when there is no GPU), compare with the torch oracle over the same admitted
-set, and report density, error and times. This is what ``sparsesearch check`` runs.
+set, and report density, error and times. ``region_vertical_slash`` does the same on a permuted modality
+region (video rows x text keys, the row_pos frame). This is what ``sparsesearch check`` runs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ def default_cases(tokens: int) -> dict[str, object]:
         "vertical_slash": vertical_slash.VerticalSlashParams(vertical_size=max(1, tokens // 16), slash_size=max(1, tokens // 16), last_q=16, force_vertical=4, force_slash=8),
         "triangle": triangle.TriangleParams(sink=16, window=quarter, last=min(64, tokens)),
         "grid": grid.GridParams(stride=max(2, tokens // 32), phase=0, use_hline=True, use_vline=True, use_slash=True, local=quarter),
+        # A permuted modality region (patterns/boundary.py): video rows x text keys of a text/video interleave.
+        "region_vertical_slash": vertical_slash.VerticalSlashParams(vertical_size=max(1, tokens // 16), slash_size=max(1, tokens // 16), last_q=16, force_vertical=4, force_slash=8),
     }
+
+
+def _interleave(tokens: int) -> torch.Tensor:
+    """Modality ids [tokens]: text, video, text, video spans of unequal lengths (0 text, 2 video)."""
+    ids = torch.zeros(tokens, dtype=torch.long)
+    for start, stop in ((tokens // 8, tokens // 3), (tokens // 2, 7 * tokens // 8)):
+        ids[start:stop] = 2
+    return ids
 
 
 def _build(name: str, params, q, k, block: int) -> tuple[BlockIndex, Callable]:
@@ -91,27 +102,54 @@ def check_patterns(
             continue
         if progress:
             progress(name)
-        start = time.perf_counter()
-        index, run = _build(name, params, q, k, block)
-        index_ms = 1e3 * (time.perf_counter() - start)
-        validate(index, tokens)
-        start = time.perf_counter()
-        out, _ = run(q, k, v, index)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        kernel_ms = 1e3 * (time.perf_counter() - start)
-        if name == "triangle":
-            mask = predicate_mask_fn(triangle.predicate(params, tokens), 1, heads, tokens, tokens)
-            density = triangle.density(params, tokens, block_m=block, block_n=block)
+        if name.startswith("region_"):
+            qs, ks, vs, out, index, mask, density, index_ms, kernel_ms = _region_case(params, q, k, v, block, device)
         else:
-            mask = index_mask_fn(index, tokens, tokens, heads // kv_heads)
-            density = index_density(index, tokens)
-        ref, _ = masked_attention(q, k, v, mask)
-        low, _ = masked_attention(q, k, v, mask, upcast=False)
+            qs, ks, vs = q, k, v
+            start = time.perf_counter()
+            index, run = _build(name, params, q, k, block)
+            index_ms = 1e3 * (time.perf_counter() - start)
+            validate(index, tokens)
+            start = time.perf_counter()
+            out, _ = run(q, k, v, index)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            kernel_ms = 1e3 * (time.perf_counter() - start)
+            if name == "triangle":
+                mask = predicate_mask_fn(triangle.predicate(params, tokens), 1, heads, tokens, tokens)
+                density = triangle.density(params, tokens, block_m=block, block_n=block)
+            else:
+                mask = index_mask_fn(index, tokens, tokens, heads // kv_heads)
+                density = index_density(index, tokens)
+        ref, _ = masked_attention(qs, ks, vs, mask)
+        low, _ = masked_attention(qs, ks, vs, mask, upcast=False)
         err = relative_error(out, ref)
         budget = 2 * relative_error(low, ref) + (1e-5 if dtype == "fp32" else 4e-3)
         rows.append(CheckRow(name, repr(params), round(density, 4), err, budget, err <= budget, round(index_ms, 2), round(kernel_ms, 2)))
     return rows
+
+
+def _region_case(params, q, k, v, block: int, device: str):
+    """Vertical-slash on the video-rows x text-keys region of an interleave, estimated and run in the
+    region frame (row_pos) by the Triton kernel. Returns the region's q/k/v, output, index, mask, density
+    and times."""
+    from .patterns import boundary
+    from .patterns._common import index_entries
+
+    region = boundary.make_region("video", "text", boundary.positions(_interleave(q.shape[2]), ("text", "image", "video")))
+    qs, ks, vs = region.gather(q, k, v)
+    row_pos = region.row_pos.to(q.device)
+    start = time.perf_counter()
+    index = vertical_slash.build_index(params, qs, ks, head_space="kv", block_m=block, block_n=block, row_pos=row_pos)
+    index_ms = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    out, _ = block_sparse_attention(qs, ks, vs, index, row_pos=row_pos)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    kernel_ms = 1e3 * (time.perf_counter() - start)
+    mask = index_mask_fn(index, qs.shape[2], ks.shape[2], q.shape[1] // k.shape[1], row_pos=row_pos)
+    density = index_entries(index, qs.shape[2], ks.shape[2], row_pos=row_pos) / (index.batch * index.heads * region.causal_entries)
+    return qs, ks, vs, out, index, mask, density, index_ms, kernel_ms
 
 
 def rows_as_dicts(rows: list[CheckRow]) -> list[dict]:

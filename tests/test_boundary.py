@@ -301,3 +301,10 @@ def test_runtime_boundary_batch_rows_use_their_own_modality():
     runner.modality = None
     glob = runner.attend(plan.layers[0], q, k, v, scale=1.0)
     assert torch.allclose(two[1:], glob, atol=1e-6)
+
+
+def test_selfcheck_runs_a_region_case():
+    from sparsesearch.selfcheck import check_patterns
+
+    rows = check_patterns(tokens=256, block=16, device=DEVICE, patterns=["region_vertical_slash"], dtype="fp32")
+    assert len(rows) == 1 and rows[0].ok and 0.0 < rows[0].density < 1.0, rows
