@@ -21,6 +21,7 @@ def export(
     tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex: sequence length the block lists are built for (static patterns).")] = None,
     block: Annotated[int, typer.Option("--block", help="flex: FlexAttention tile size (16, 32, 64 or 128); which keys are admitted follows the artifact's own block sizes.")] = 128,
     qk: Annotated[Optional[Path], typer.Option("--qk", help="flex: .safetensors with q.{layer} [B,Hq,N,D] and k.{layer} [B,Hkv,N,D] for dynamic patterns.")] = None,
+    global_only: Annotated[bool, typer.Option("--global-only", help="Export only the global (all x all) rows of a multi-modal calibration: boundary heads as their global pattern, what the runtime runs without modality ids.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export an artifact to MInference JSON, FlexAttention block lists, DuoAttention TSV or plain JSON.
@@ -38,6 +39,10 @@ def export(
 
     check_output_file(out)
     art = load_artifact(artifact)
+    if global_only and "heads.parquet" in art.tables:
+        from sparsesearch.export._common import global_only as keep_global
+
+        art = keep_global(art)
     if fmt == "minference":
         from sparsesearch.export.minference import write_minference
 

@@ -250,6 +250,14 @@ def test_multimodal_calibrate_writes_regions_and_a_boundary_per_head(tiny_model,
     chosen = sum(sum(layer["boundaries"].values()) for layer in summary["layers"])
     assert chosen == sum(n for kind, n in report["chosen"].items() if kind != "none")
     assert summary["modality_pairs"]["video->text"] == 3
+    # Formats without modalities refuse region rows, and export the global rows on request.
+    runner = CliRunner()
+    refused = runner.invoke(app, ["export", str(tmp_path / "mm"), "--format", "minference", "--out", str(tmp_path / "m.json")])
+    assert refused.exit_code == 2 and "--global-only" in refused.output and not (tmp_path / "m.json").exists()
+    done = runner.invoke(app, ["export", str(tmp_path / "mm"), "--format", "minference", "--out", str(tmp_path / "m.json"), "--global-only"])
+    assert done.exit_code == 0, done.output
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert len(exported) == 3  # one entry per layer
     assert res.fidelity is not None and math.isfinite(res.fidelity["next_token_kl"])
 
 

@@ -18,6 +18,17 @@ from ..artifacts.tables import row_name
 SYNTH_BLOCK = 64  # block size of rows the artifact implies but does not store (triangle layers, missing heads)
 
 
+def global_only(artifact: Artifact) -> Artifact:
+    """The artifact as a deployment without modality ids runs it: the global (all x all) rows only, every
+    head boundary none (a boundary head falls back to its global pattern, as the runtime does)."""
+    from dataclasses import replace
+
+    heads = artifact.heads
+    keep = heads[(heads["q_modality"] == ALL_MODALITIES) & (heads["k_modality"] == ALL_MODALITIES)].copy()
+    keep["boundary"] = "none"
+    return replace(artifact, tables={**artifact.tables, "heads.parquet": keep.reset_index(drop=True)})
+
+
 def implied_row(layer: int, head: int, pattern: str, params) -> dict:
     """A heads row the artifact means without storing it (no measurements, no score)."""
     return {
@@ -52,7 +63,7 @@ def effective_rows(artifact: Artifact, fmt: str, *, modality_rows: bool = False)
             if not modality_rows:
                 raise ValueError(
                     f"the {fmt} format carries text-only rows (q_modality == k_modality == 'all'); "
-                    f"the artifact has a modality-pair row ({row_name(row)})"
+                    f"the artifact has a modality-pair row ({row_name(row)}); --global-only exports its global rows"
                 )
             pairs.append(row)
             continue
