@@ -76,7 +76,9 @@ def calibrate(
 
 def _global(rows: list[dict]) -> list[dict]:
     """The rows every head runs without modality ids: all rows x all keys."""
-    return [r for r in rows if r["q_modality"] == "all" and r["k_modality"] == "all"]
+    from sparsesearch.artifacts.columns import is_global
+
+    return [r for r in rows if is_global(r)]
 
 
 def _render(result, summary, density) -> None:

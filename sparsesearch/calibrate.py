@@ -24,15 +24,14 @@ from typing import Callable
 
 import torch
 
-from .artifacts.columns import ALL_MODALITIES, row_from_params
+from .artifacts.columns import ALL_MODALITIES, is_global, row_from_params
 from .patterns import PARAMS
 from .search.cost import cost_model_for
 from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
 from .patterns.boundary import BOUNDARIES, scope_name, split_scope
 from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
-from .search.space import Candidate, load_space
+from .search.space import MODALITY_NAMES, Candidate, load_space
 
-MODALITY_NAMES = ("text", "image", "video")
 GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
 
 
@@ -163,6 +162,15 @@ def _scope_path(work: Path, si: int, layer: int, scope: str) -> Path:
     return work / f"s{si}_l{layer}_{q_mod}-{k_mod}.json"
 
 
+def _scope_files(work: Path, si: int, layer: int) -> dict[str, Path]:
+    """The region files (sample si, layer) has on disk, by scope: the inverse of ``_scope_path``."""
+    found = {}
+    for path in sorted(work.glob(f"s{si}_l{layer}_*-*.json")):
+        q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
+        found[scope_name(q_mod, k_mod)] = path
+    return found
+
+
 def _boundary_path(work: Path, si: int, layer: int) -> Path:
     return work / f"s{si}_l{layer}.boundary.json"
 
@@ -188,10 +196,8 @@ def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, 
                                             frame_stride=frame_stride, scale=cap.scale)
             _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t))
         else:
-            cached = {}
-            for path in work.glob(f"s{si}_l{cap.layer}_*-*.json"):
-                q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
-                cached[scope_name(q_mod, k_mod)] = ScopeResult(*_scored_from_json(json.loads(path.read_text())))
+            cached = {scope: ScopeResult(*_scored_from_json(json.loads(path.read_text())))
+                      for scope, path in _scope_files(work, si, cap.layer).items()}
             save = lambda scope, res: _write_json(_scope_path(work, si, cap.layer, scope), _scored_to_json(res.scored, res.budget, res.timings))
             _, scores = search_modal_layer(q, k, v, sample.modality.to(device), MODALITY_NAMES, space, costs, head_space=cfg.head_space,
                                            objective=cfg.objective, frame_stride=frame_stride, scale=cap.scale, cached=cached, on_scope=save)
@@ -207,9 +213,8 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
     (every row of a head carries it). Returns (rows, the chosen approximation's mean error, report)."""
     scopes: dict[str, list[Path]] = {}
     for si in range(n_samples):
-        for path in sorted(work.glob(f"s{si}_l{layer}_*-*.json")):
-            q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
-            scopes.setdefault(scope_name(q_mod, k_mod), []).append(path)
+        for scope, path in _scope_files(work, si, layer).items():
+            scopes.setdefault(scope, []).append(path)
     chosen_rows = {}
     for scope, paths in scopes.items():
         loaded = [_scored_from_json(json.loads(p.read_text())) for p in paths]
@@ -364,7 +369,7 @@ def effective_densities(manifest: dict, rows: list[dict]) -> dict[tuple[int, int
     scores = report.get("scores", {}) if isinstance(report, dict) else {}
     out = {}
     for r in rows:
-        if r["q_modality"] != ALL_MODALITIES or r["k_modality"] != ALL_MODALITIES:
+        if not is_global(r):
             continue
         layer, head = int(r["layer"]), int(r["head"])
         kind = r["boundary"]

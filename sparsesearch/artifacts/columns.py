@@ -16,8 +16,8 @@ from dataclasses import asdict, fields
 
 import pyarrow as pa
 
-BOUNDARIES = ("none", "k", "q", "2d")
-ALL_MODALITIES = "all"  # text-only models and intra-pattern rows that apply to every token
+from sparsesearch.patterns.boundary import ALL as ALL_MODALITIES  # every token: text-only and global rows
+from sparsesearch.patterns.boundary import BOUNDARIES as BOUNDARIES  # re-exported: the schema lists them
 # A row's identity: at most one row per key, and the order rows are stored in.
 HEADS_KEY = ("layer", "head", "q_modality", "k_modality")
 
@@ -50,6 +50,11 @@ HEADS_SCHEMA = pa.schema(
         pa.field("score", pa.float64(), nullable=True),         # the objective value the search ranked by
     ]
 )
+
+
+def is_global(row: dict) -> bool:
+    """The head's global (all x all) row: what it runs without modality ids, and its boundary-none pattern."""
+    return row["q_modality"] == ALL_MODALITIES and row["k_modality"] == ALL_MODALITIES
 
 
 def params_from_row(row: dict):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from statistics import fmean
 
-from .columns import ALL_MODALITIES
+from .columns import is_global
 from .io import Artifact
 from .tables import HEADS_FILE
 
@@ -25,7 +25,7 @@ def summarize(artifact: Artifact) -> dict:
     m = artifact.manifest
     model = m["model"]
     rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
-    global_rows = [r for r in rows if r["q_modality"] == ALL_MODALITIES and r["k_modality"] == ALL_MODALITIES]
+    global_rows = [r for r in rows if is_global(r)]
     patterns = sorted({r["pattern"] for r in global_rows})
     layers = []
     for layer in range(model["num_layers"]):

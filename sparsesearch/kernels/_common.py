@@ -156,19 +156,26 @@ class Layout:
     cu_k: torch.Tensor
 
 
+def check_row_pos(q: torch.Tensor, k: torch.Tensor, row_pos: torch.Tensor | None) -> None:
+    """A permuted region's frame for dense q [B, Hq, Nq, D], k [B, Hkv, Nk, D]: on q's device, int [Nq],
+    nondecreasing, within [-1, Nk - 1] (patterns._common.check_frame). None passes."""
+    if row_pos is None:
+        return
+    if row_pos.device != q.device:
+        raise ValueError(f"row_pos is on {row_pos.device}, q on {q.device}")
+    from ..patterns._common import check_frame
+
+    check_frame(q.shape[2], k.shape[2], row_pos)
+
+
 def check_layout(q, k, v, cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, row_pos: torch.Tensor | None = None) -> Layout:
     """Validate q/k/v (and cu_seqlens when either is given, row_pos when given) before any launch;
     ValueError names the problem. row_pos (a permuted region's frame, dense layout only): int64 [Nq] on q's
     device, nondecreasing, in [-1, Nk - 1]."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if row_pos is not None:
-        if varlen:
-            raise ValueError("row_pos (a permuted region) takes the dense [B, H, N, D] layout, not cu_seqlens")
-        if row_pos.device != q.device:
-            raise ValueError(f"row_pos is on {row_pos.device}, q on {q.device}")
-        from ..patterns._common import check_frame
-
-        check_frame(q.shape[2], k.shape[2], row_pos)
+    if row_pos is not None and varlen:
+        raise ValueError("row_pos (a permuted region) takes the dense [B, H, N, D] layout, not cu_seqlens")
+    check_row_pos(q, k, row_pos)
     check_qkv(q, k, v, varlen, region=row_pos is not None)
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:

@@ -15,7 +15,7 @@ import torch
 
 from ..index import BlockIndex, num_blocks
 from ..patterns._common import row_positions
-from ._common import check_qkv
+from ._common import check_qkv, check_row_pos
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
 DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
@@ -40,6 +40,7 @@ def block_sparse_attention_torch(
     patterns/boundary.py); None: the bottom-right causal frame.
     """
     check_qkv(q, k, v, varlen=False, region=row_pos is not None)
+    check_row_pos(q, k, row_pos)
     batch, q_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._common import causal_entries, region_causal_entries
+
 BOUNDARIES = ("none", "k", "q", "2d")
 ALL = "all"
 
@@ -46,18 +48,18 @@ class Region:
 
     @property
     def name(self) -> str:
-        return f"{self.q_mod}>{self.k_mod}"
+        return scope_name(self.q_mod, self.k_mod)
 
     @property
     def causal_entries(self) -> int:
         """Causal (row, key) pairs of the region."""
-        if self.row_pos is None:
-            n = self.q_idx.numel()
-            return n * (n + 1) // 2
-        return int((self.row_pos + 1).clamp(min=0).sum().item())
+        return causal_entries(self.q_idx.numel()) if self.row_pos is None else region_causal_entries(self.row_pos)
 
     def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, Hq, N, D], k/v [B, Hkv, N, D] -> the region's rows and keys (copies along the token axis)."""
+        """q [B, Hq, N, D], k/v [B, Hkv, N, D] -> the region's rows and keys (copies along the token axis;
+        the whole sequence, all x all, is returned as is)."""
+        if self.q_mod == self.k_mod == ALL:
+            return q, k, v
         qi, ki = self.q_idx.to(q.device), self.k_idx.to(q.device)
         return q.index_select(2, qi), k.index_select(2, ki), v.index_select(2, ki)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..artifacts.columns import is_global
 from . import save_png
 
 PATTERN_COLORS = {
@@ -24,7 +25,7 @@ def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = No
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
-    text = [r for r in rows if r["q_modality"] == "all" and r["k_modality"] == "all"]
+    text = [r for r in rows if is_global(r)]
     heads = max(r["head"] for r in text) + 1 if text else 1
     names = list(PATTERN_COLORS)
     grid = [[names.index("dense")] * heads for _ in range(info.num_layers)]

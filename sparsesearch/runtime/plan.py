@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..artifacts.columns import ALL_MODALITIES, params_from_row
+from ..artifacts.columns import is_global, params_from_row
+from ..patterns.boundary import scope_name
 from ..models.info import ModelInfo
 
 DEFAULT_MIN_TOKENS = 1024  # below this, sparse attention does not pay for its index; SDPA runs
@@ -80,13 +81,12 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
         layer, head = int(row["layer"]), int(row["head"])
         if not 0 <= layer < info.num_layers or not 0 <= head < space_heads:
             raise ValueError(f"heads row (layer {layer}, head {head}) outside the model's {info.num_layers} layers x {space_heads} {head_space} heads")
-    is_global = lambda r: r["q_modality"] == ALL_MODALITIES and r["k_modality"] == ALL_MODALITIES
     kinds = {(int(r["layer"]), int(r["head"])): r["boundary"] for r in rows if r["boundary"] != "none"}
     by_layer = _grouped([r for r in rows if is_global(r)])
     by_region: dict[int, dict[str, dict]] = {}
     for row in rows:
         if not is_global(row) and (int(row["layer"]), int(row["head"])) in kinds:
-            scope = f"{row['q_modality']}>{row['k_modality']}"
+            scope = scope_name(row["q_modality"], row["k_modality"])
             by_region.setdefault(int(row["layer"]), {}).setdefault(scope, []).append(row)
     if kinds:
         counts = {k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))}

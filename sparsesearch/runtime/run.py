@@ -151,7 +151,7 @@ def attend_boundary(layer: LayerPlan, q, k, v, modality: torch.Tensor, space: st
         return set()  # one modality: every type reduces to the global pattern
     done: set[int] = set()
     for kind in sorted({kind for _, kind in layer.boundary}):
-        scopes = [s for s in bd.region_scopes(kind, present)]
+        scopes = bd.region_scopes(kind, present)
         heads = [h for h, t in layer.boundary if t == kind
                  and all(any(h in g.heads for g in layer.region_groups(bd.scope_name(*s))) for s in scopes)]
         if not heads:
@@ -161,22 +161,28 @@ def attend_boundary(layer: LayerPlan, q, k, v, modality: torch.Tensor, space: st
             region = bd.make_region(q_mod, k_mod, pos)
             if region is None:
                 continue
-            q_r, k_r, v_r = region.gather(q, k, v)
-            o_r = torch.zeros_like(q_r)
-            l_r = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-            for g in layer.region_groups(region.name):
-                members = tuple(h for h in g.heads if h in heads)
-                if members:
-                    g = dataclasses.replace(g, heads=members)
-                    index = build_group_index(g, q_r, k_r, space, region.row_pos)
-                    ids = torch.tensor(members, dtype=torch.int32, device=q.device)
-                    sparse_attend(q_r, k_r, v_r, index, scale, ids, o_r, l_r, region.row_pos)
-            parts.append((region, o_r, l_r))
+            groups = [dataclasses.replace(g, heads=tuple(h for h in g.heads if h in heads)) for g in layer.region_groups(region.name)]
+            parts.append((region, *run_region(q, k, v, region, [g for g in groups if g.heads], space, scale)))
         merged, _ = bd.compose(parts, n)
         q_ids = torch.tensor(_query_heads(tuple(heads), space, group), device=q.device)
         out[:, q_ids] = merged[:, q_ids].to(out.dtype)
         done.update(heads)
     return done
+
+
+def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One region's attention (patterns/boundary.py Region) for the heads of ``groups``: its rows and keys
+    gathered, one index build and one launch per group in the region's frame. q [1, Hq, N, D], k/v
+    [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the region's rows; heads
+    no group serves stay (0, -inf)."""
+    q_r, k_r, v_r = region.gather(q, k, v)
+    out = torch.zeros_like(q_r)
+    lse = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for g in groups:
+        index = build_group_index(g, q_r, k_r, space, region.row_pos)
+        ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
+        sparse_attend(q_r, k_r, v_r, index, scale, ids, out, lse, region.row_pos)
+    return out, lse
 
 
 def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str, row_pos: torch.Tensor | None = None) -> BlockIndex:

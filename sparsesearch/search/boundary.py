@@ -21,6 +21,7 @@ complex boundary has to earn its place.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +29,9 @@ import torch
 from ..patterns import boundary as bd
 from ..patterns._common import causal_entries
 from ..runtime.plan import HeadGroup
-from ..runtime.run import build_group_index, sparse_attend
+from ..runtime.run import run_region
 from .cost import CostModel
-from .layer import Scored, Timings, choose, dense_reference, output_error, score_layer
+from .layer import Scored, Timings, _sync, choose, output_error, score_layer, space_reference
 from .space import SearchSpace
 
 TOLERANCE = 0.05  # relative slack on the objective before a simpler boundary type loses to a complex one
@@ -57,34 +58,27 @@ def needed_scopes(space: SearchSpace, present: list[str]) -> list[tuple[str, str
 
 def search_scope(
     q, k, v, region: bd.Region, space: SearchSpace, costs: CostModel, *, head_space: str, present: list[str],
-    frame_stride: int | None, scale: float,
+    frame_stride: int | None, scale: float, reference=None,
 ) -> ScopeResult:
-    """Kernel-aware search of one region (q/k/v: the whole layer, [1, H, N, D])."""
-    q_r, k_r, v_r = (q, k, v) if region.q_mod == region.k_mod == bd.ALL else region.gather(q, k, v)
+    """Kernel-aware search of one region (q/k/v: the whole layer, [1, H, N, D]; reference: the region's
+    dense (out, lse) when already computed)."""
+    q_r, k_r, v_r = region.gather(q, k, v)
     # Grid applicability follows the region's keys: a visual modality's own rows and keys only.
     modality = region.k_mod if region.k_mod != bd.ALL else ("video" if "video" in present else present[-1])
     scored, budget, timings = score_layer(q_r, k_r, v_r, space, costs, head_space=head_space, modality=modality,
-                                          frame_stride=frame_stride, scale=scale, row_pos=region.row_pos)
+                                          frame_stride=frame_stride, scale=scale, row_pos=region.row_pos, reference=reference)
     return ScopeResult(scored, budget, timings)
 
 
 def run_picks(q, k, v, region: bd.Region, picks: list[tuple[Scored, int]], head_space: str, block_m: int, block_n: int,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The region's attention with each head's chosen candidate: heads sharing (pattern, params) run as one
-    group. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the region's rows."""
-    q_r, k_r, v_r = (q, k, v) if region.q_mod == region.k_mod == bd.ALL else region.gather(q, k, v)
+    group (runtime.run.run_region). Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r]."""
     groups: dict[tuple, list[int]] = {}
     for scored, head in picks:
-        params = scored.params[head]
-        groups.setdefault((scored.candidate.pattern, params), []).append(head)
-    out = torch.zeros_like(q_r)
-    lse = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    for (pattern, params), heads in groups.items():
-        g = HeadGroup(pattern, params, tuple(heads), block_m, block_n)
-        index = build_group_index(g, q_r, k_r, head_space, region.row_pos)
-        ids = torch.tensor(heads, dtype=torch.int32, device=q.device)
-        sparse_attend(q_r, k_r, v_r, index, scale, ids, out, lse, region.row_pos)
-    return out, lse
+        groups.setdefault((scored.candidate.pattern, scored.params[head]), []).append(head)
+    heads = [HeadGroup(pattern, params, tuple(ids), block_m, block_n) for (pattern, params), ids in groups.items()]
+    return run_region(q, k, v, region, heads, head_space, scale)
 
 
 def pick_cost(picks: list[tuple[Scored, int]]) -> torch.Tensor:
@@ -95,15 +89,15 @@ def pick_cost(picks: list[tuple[Scored, int]]) -> torch.Tensor:
 
 def boundary_scores(
     q, k, v, modality: torch.Tensor, names: tuple[str, ...], results: dict[str, ScopeResult], space: SearchSpace, *,
-    head_space: str, objective: str, scale: float,
+    head_space: str, objective: str, scale: float, reference: tuple[torch.Tensor, torch.Tensor],
 ) -> dict:
-    """Compose each boundary type from its regions' chosen patterns and score it against dense attention
-    of the whole sequence. Returns {"budget_ms": [H], "types": {type: {"error", "recall", "cost_ms", "density": [H]}}}
-    (density: computed entries of all its regions over the sequence's causal entries)."""
+    """Compose each boundary type from its regions' chosen patterns and score it against the dense
+    attention of the whole sequence (``reference``: its out, lse). Returns {"budget_ms": [H], "types":
+    {type: {"error", "recall", "cost_ms", "density": [H]}}} (density: computed entries of all its regions
+    over the sequence's causal entries)."""
     n = q.shape[2]
     group = q.shape[1] // k.shape[1]
-    block = space.block_m if space.block_m == space.block_n else 64
-    ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale)
+    ref_out, ref_lse = reference
     pos = bd.positions(modality, names)
     present = [m for m in names if m in pos]
     cache: dict[str, tuple] = {}
@@ -166,13 +160,24 @@ def search_modal_layer(
     pos = bd.positions(modality, names)
     present = [m for m in names if m in pos]
     results = dict(cached or {})
+    # The whole sequence's dense attention, computed once: the global region's search and the boundary
+    # scores both measure against it.
+    start = time.perf_counter()
+    reference = space_reference(q, k, v, space, head_space, scale)
+    _sync(q)
+    reference_s = time.perf_counter() - start
+    whole = bd.scope_name(bd.ALL, bd.ALL)
     for q_mod, k_mod in needed_scopes(space, present):
         region = bd.make_region(q_mod, k_mod, pos)
         if region is None or region.name in results:
             continue
         results[region.name] = search_scope(q, k, v, region, space, costs, head_space=head_space, present=present,
-                                            frame_stride=frame_stride, scale=scale)
+                                            frame_stride=frame_stride, scale=scale,
+                                            reference=reference if region.name == whole else None)
+        if region.name == whole:
+            results[whole].timings.kernel_s += reference_s  # its search's share of the dense pass
         if on_scope is not None:
             on_scope(region.name, results[region.name])
-    scores = boundary_scores(q, k, v, modality, names, results, space, head_space=head_space, objective=objective, scale=scale)
+    scores = boundary_scores(q, k, v, modality, names, results, space, head_space=head_space, objective=objective, scale=scale,
+                             reference=reference)
     return results, scores

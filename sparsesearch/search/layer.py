@@ -101,6 +101,12 @@ def dense_reference(q, k, v, space: str, block: int, scale: float, row_pos: torc
     return out, lse
 
 
+def space_reference(q, k, v, space: SearchSpace, head_space: str, scale: float, row_pos: torch.Tensor | None = None):
+    """``dense_reference`` with the search space's block size (64 when block_m != block_n)."""
+    block = space.block_m if space.block_m == space.block_n else 64
+    return dense_reference(q, k, v, head_space, block, scale, row_pos)
+
+
 def _per_space_head(x: torch.Tensor, space: str, group: int) -> torch.Tensor:
     """[Hq] per-query-head sums -> [H] per head of the space (a KV head sums its group)."""
     return x.view(-1, group).sum(-1) if space == "kv" else x
@@ -211,18 +217,18 @@ def choose(scored: list[Scored], budget: torch.Tensor, objective: str) -> list[t
 def score_layer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, space: SearchSpace, costs: CostModel, *,
     head_space: str = "query", modality: str = "text", frame_stride: int | None = None, scale: float | None = None,
-    row_pos: torch.Tensor | None = None,
+    row_pos: torch.Tensor | None = None, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[list[Scored], torch.Tensor, Timings]:
     """Score every applicable candidate of the space on one layer, or on one permuted modality region of
     it (q rows [1, Hq, Nq, D] and keys k/v [1, Hkv, Nk, D] gathered, row_pos their frame: grid candidates
     do not apply there, token counts scale with Nk, the budget is the target's cost on the same region).
+    reference: the dense (out, lse) of these inputs when the caller has it already (``space_reference``).
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     timings = Timings()
     start = time.perf_counter()
-    block = space.block_m if space.block_m == space.block_n else 64
-    ref_out, ref_lse = dense_reference(q, k, v, head_space, block, scale, row_pos)
+    ref_out, ref_lse = reference or space_reference(q, k, v, space, head_space, scale, row_pos)
     _sync(q)
     timings.kernel_s += time.perf_counter() - start
     target = score_candidate(space.target, space.resolve(space.target, n), q, k, v, None, None, head_space,

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..patterns import PARAMS
+from ..patterns.boundary import BOUNDARIES
 
 DEFAULT_SPACE = "mminference"
 FORMAT = 1
@@ -132,9 +133,9 @@ def parse_space(raw: dict, sha256: str, where: str = "search space") -> SearchSp
         blocks.append(value)
     scaled = tuple(raw.get("scaled_params", ()))
     boundaries = tuple(raw.get("boundaries", ("none",)))
-    bad = [b for b in boundaries if b not in ("none", "k", "q", "2d")]
+    bad = [b for b in boundaries if b not in BOUNDARIES]
     if bad:
-        raise ValueError(f"{where}: unknown boundary type(s) {bad}; known: none, k, q, 2d")
+        raise ValueError(f"{where}: unknown boundary type(s) {bad}; known: {', '.join(BOUNDARIES)}")
     target = _candidate(raw["target"], f"{where}: target")
     if not isinstance(raw["candidates"], list) or not raw["candidates"]:
         raise ValueError(f"{where}: candidates must be a non-empty list")
