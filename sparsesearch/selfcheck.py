@@ -17,7 +17,7 @@ import torch
 from .index import BlockIndex, validate
 from .kernels import block_sparse_attention, triangle_attention
 from .patterns import ashape, block_topk, dense, grid, index_density, triangle, vertical_slash
-from .reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
+from .reference import error_floor, index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -124,7 +124,7 @@ def check_patterns(
         ref, _ = masked_attention(qs, ks, vs, mask)
         low, _ = masked_attention(qs, ks, vs, mask, upcast=False)
         err = relative_error(out, ref)
-        budget = 2 * relative_error(low, ref) + (1e-5 if dtype == "fp32" else 4e-3)
+        budget = 2 * relative_error(low, ref) + error_floor(DTYPES[dtype], device)
         rows.append(CheckRow(name, repr(params), round(density, 4), err, budget, err <= budget, round(index_ms, 2), round(kernel_ms, 2)))
     return rows
 

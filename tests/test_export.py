@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from artifact_fixtures import TINY, manifest, mix_rows, row
+from conftest import DEVICE
 from sparsesearch import reference as ref
 from sparsesearch.artifacts import load_artifact, write_artifact
 from sparsesearch.artifacts.columns import params_from_row
@@ -267,7 +268,7 @@ def test_flex_block_mask_equals_the_kernel_semantics(tmp_path, space, q_len, kv_
         bm = flex_block_mask(art, q, k, layer, block=block)
         want = expected_mask(art, layer, q, k)
         # mask_mod alone (FlexAttention's eager path evaluates it on every pair).
-        got = create_mask(bm.mask_mod, 2, 4, q_len, kv_len)
+        got = create_mask(bm.mask_mod, 2, 4, q_len, kv_len, device=q.device)
         assert torch.equal(got, want), (layer, (got != want).nonzero()[:5])
         # Block lists (the compiled path): full blocks admit everything, partial ones the mask_mod, others nothing.
         qb, kb = num_blocks(q_len, block), num_blocks(kv_len, block)
@@ -307,10 +308,26 @@ def test_flex_static_tensors_file_round_trip(tmp_path):
             assert torch.equal(loaded[layer][name], tensor), name
         a, b = block_mask_from_tensors(per_layer[layer]), block_mask_from_tensors(loaded[layer])
         assert torch.equal(a.to_dense(), b.to_dense())
-        assert torch.equal(create_mask(a.mask_mod, 1, 4, 90, 90), create_mask(b.mask_mod, 1, 4, 90, 90))
+        assert torch.equal(create_mask(a.mask_mod, 1, 4, 90, 90, device="cpu"), create_mask(b.mask_mod, 1, 4, 90, 90, device="cpu"))
     q, k = torch.randn(1, 4, 90, 8), torch.randn(1, 2, 90, 8)
     direct = flex_block_mask(art, q, k, 0, block=16)
-    assert torch.equal(create_mask(direct.mask_mod, 1, 4, 90, 90), create_mask(block_mask_from_tensors(loaded[0]).mask_mod, 1, 4, 90, 90))
+    assert torch.equal(create_mask(direct.mask_mod, 1, 4, 90, 90, device="cpu"), create_mask(block_mask_from_tensors(loaded[0]).mask_mod, 1, 4, 90, 90, device="cpu"))
+
+
+def test_flex_saved_layer_runs_where_the_attention_runs(tmp_path):
+    """A layer loaded from a file sits on the CPU; block_mask_from_tensors(device=) moves the mask tables to
+    the attention's device (on a GPU a CPU table indexed by CUDA indices fails)."""
+    rows = [row(0, head, *FLEX_MIX[[1, 2, 4, 5][head]], block_m=16, block_n=16) for head in range(4)]
+    art = load(tmp_path, rows)
+    loaded = load_flex(write_flex({0: flex_tensors(art, 0, q_len=90, block=16)}, tmp_path / "m.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 90, 16, generator=gen), torch.randn(1, 2, 90, 16, generator=gen), torch.randn(1, 2, 90, 16, generator=gen)
+    bm = block_mask_from_tensors(loaded[0], device=DEVICE)
+    want = create_mask(block_mask_from_tensors(loaded[0]).mask_mod, 1, 4, 90, 90, device="cpu")
+    assert torch.equal(create_mask(bm.mask_mod, 1, 4, 90, 90, device=DEVICE).cpu(), want)
+    out = flex_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), block_mask=bm, enable_gqa=True).cpu()
+    ref_out, _ = ref.masked_attention(q, k, v, lambda rows: want[:, :, rows])
+    torch.testing.assert_close(out, ref_out.to(out.dtype), atol=2e-5 if DEVICE == "cpu" else 2e-3, rtol=1e-4 if DEVICE == "cpu" else 2e-3)
 
 
 def test_flex_needs_q_and_k_for_dynamic_patterns_and_checks_shapes(tmp_path):
@@ -337,7 +354,7 @@ def test_flex_trianglemix_layers_and_missing_heads_follow_the_runtime(tmp_path):
     assert t0["window"].tolist() == [16, -1, -1, -1]  # heads 1..3 have no row: dense
     t1 = flex_tensors(art, 1, q_len=80, block=16)
     assert t1["window"].tolist() == [24] * 4 and t1["dense_from_row"].tolist() == [50] * 4
-    dense_mask = create_mask(block_mask_from_tensors(t0).mask_mod, 1, 4, 80, 80)
+    dense_mask = create_mask(block_mask_from_tensors(t0).mask_mod, 1, 4, 80, 80, device="cpu")
     assert torch.equal(dense_mask[0, 1], torch.ones(80, 80, dtype=torch.bool).tril())
 
 

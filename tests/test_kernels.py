@@ -15,9 +15,9 @@ from indices import dense_causal_index, random_index
 from sparsesearch.index import BlockIndex, stack, validate
 from sparsesearch.kernels import block_sparse_attention, merge_partials, merge_two, tail_attention, triangle_attention
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
-from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
+from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
-FLOOR = {torch.float16: 1e-3, torch.bfloat16: 4e-3, torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3}
+FLOOR = {dtype: error_floor(dtype, DEVICE) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
 
 
 def qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype, seed=0):

