@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -49,24 +50,57 @@ class AnalyticCost:
         return analytic_ms(pattern, density.double() * causal_entries(n), q.shape[-1], n)
 
 
+def kernel_version(kernels: Path | None = None) -> str:
+    """sha256 (16 hex) of the Triton kernels' source (``kernels``: their directory, default ours): any
+    change to a kernel is a new version."""
+    import hashlib
+
+    kernels = kernels or Path(__file__).resolve().parents[1] / "kernels"
+    digest = hashlib.sha256()
+    for path in sorted(kernels.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_env() -> dict[str, str]:
+    """What a measured time depends on besides its key: the torch, Triton and kernel versions."""
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "kernels": kernel_version()}
+
+
 class MeasuredCost:
+    """Times are cached per (device name, shape, pattern, density) in a JSON file stamped with
+    ``cache_env()``; a file stamped otherwise (another install, older kernels) or unreadable is ignored
+    with a warning and replaced on the next write, never trusted."""
+
     kind = "measured"
 
     def __init__(self, cache_path: Path | None = None, reps: int = 5):
         self.reps = reps
         self.cache_path = cache_path or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsesearch" / "costs.json"
+        self.env = cache_env()
         self._cache = self._read()
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.cache_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            stored = json.loads(self.cache_path.read_text())
+        except FileNotFoundError:
             return {}
+        except (OSError, json.JSONDecodeError) as exc:
+            warnings.warn(f"ignoring cost cache {self.cache_path}: unreadable ({exc.__class__.__name__})", stacklevel=3)
+            return {}
+        env = stored.get("env") if isinstance(stored, dict) else None
+        if env != self.env or not isinstance(stored.get("costs"), dict):
+            warnings.warn(f"ignoring cost cache {self.cache_path}: measured with {env or 'an unstamped version'}, "
+                          f"this install is {self.env}", stacklevel=3)
+            return {}
+        return stored["costs"]
 
     def _write(self) -> None:
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._cache, sort_keys=True))
+        tmp.write_text(json.dumps({"env": self.env, "costs": self._cache}, sort_keys=True))
         os.replace(tmp, self.cache_path)
 
     def cost_ms(self, pattern, density, n, q, index, run, build_s) -> torch.Tensor:
