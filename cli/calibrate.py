@@ -42,12 +42,13 @@ def calibrate(
 
     Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
     """
-    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, effective_densities
+    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, effective_densities, preflight
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code)
+    preflight(cfg)  # bad input is one line before any progress output
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:
         stage = bar.add_task("starting", total=None)

@@ -27,13 +27,22 @@ def evaluate(
 
     Example: sparsesearch evaluate artifacts/smollm2-135m --data synthetic:passkey --samples 10 --tokens 2048
     """
+    from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact
     from sparsesearch.calibrate import evaluate_fidelity
     from sparsesearch.models import load_model
 
+    # Everything the arguments, the artifact and the model's config can tell, before the weights load.
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    if min_tokens < 1:
+        raise ValueError(f"--min-tokens must be >= 1, got {min_tokens}")
+    check.data("--data", data)
+    resolved = check.model_info(model, dtype=dtype, device=device)
+    check.tokens_fit("--tokens", tokens, resolved)
+    art = load_artifact(artifact, model_info=resolved)
     with err_console.status("loading model"):
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
-    art = load_artifact(artifact, model_info=info)
     with err_console.status(f"evaluating {samples} prompt(s)"):
         result = evaluate_fidelity(m, tokenizer, art.manifest, art.head_rows(), data=data, samples=samples, tokens=tokens,
                                    seed=seed, min_tokens=min_tokens)

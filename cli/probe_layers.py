@@ -38,12 +38,13 @@ def probe_layers(
     Example: sparsesearch probe-layers --model smollm2-135m --samples 8 --validate
     """
     from sparsesearch.probe.probe import ProbeSettings
-    from sparsesearch.probe.run import ProbeConfig, run_probe
+    from sparsesearch.probe.run import ProbeConfig, preflight, run_probe
 
     settings = ProbeSettings(samples=samples, tokens=tokens, sink=sink, window=window, last=last, seed=seed)
     cfg = ProbeConfig(model=model, settings=settings, threshold=threshold, validate=validate, validate_step=validate_step,
                       eval_data=eval_data, eval_samples=eval_samples, kl_tolerance=kl_tolerance, out=out, device=device,
                       dtype=dtype, trust_remote_code=trust_remote_code)
+    preflight(cfg)  # bad input is one line before any progress output
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=json_out) as bar:
         task = bar.add_task("starting", total=None)

@@ -90,6 +90,25 @@ def check_config(cfg: CalibrateConfig) -> None:
         raise ValueError(f"--eval-tokens must be >= 64, got {cfg.eval_tokens}")
     if cfg.eval_samples < 0:
         raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
+    if cfg.min_tokens < 1:
+        raise ValueError(f"--min-tokens must be >= 1, got {cfg.min_tokens}")
+
+
+def preflight(cfg: CalibrateConfig):
+    """Every check that needs no weights (sparsesearch.preflight), before the model loads; returns the
+    search space. The output directory is checked here, not after the search: a refusal at the end would
+    waste the whole run."""
+    from . import preflight as check
+
+    check_config(cfg)
+    space = load_space(cfg.search_space)
+    check.out_dir("--out", cfg.out, overwrite=cfg.overwrite)
+    check.data("--data", cfg.data)
+    check.data("--eval-data", cfg.eval_data if cfg.eval_samples else None)
+    info = check.model_info(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, device=cfg.device)
+    check.tokens_fit("--max-tokens", cfg.max_tokens, info)
+    check.tokens_fit("--eval-tokens", cfg.eval_tokens, info)
+    return space
 
 
 def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, device: str) -> str:
@@ -265,13 +284,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     from .models import capture_qkv, load_model
 
     progress = progress or Progress()
-    check_config(cfg)
-    space = load_space(cfg.search_space)
-    if cfg.out.exists() and not cfg.out.is_dir():
-        raise ValueError(f"--out {cfg.out} exists and is not a directory")
-    if (cfg.out / "manifest.json").is_file() and not cfg.overwrite:
-        # Checked before the search, not after it: a refusal at the end would waste the whole run.
-        raise FileExistsError(f"--out {cfg.out} already holds an artifact; pass --overwrite to replace it or choose another --out")
+    space = preflight(cfg)
     progress.stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:

@@ -9,6 +9,7 @@ Public API::
     held_out(spec, tokenizer, *, max_tokens, seed=0, chat=True, frame_tokens=None,
              edit_rate=0.03) -> Sample                   # synthetic: seed + 10_000; files: last row
     retrieval_correct(generated_text, sample) -> bool
+    check_spec(spec)                                     # refuses a bad spec without a tokenizer
     sha256_of(samples) -> str                            # provenance hash over input_ids
 
 Specs: ``synthetic:kv-retrieval`` (paper 002 App. A.1, UUID v4 pairs), ``synthetic:passkey``,
@@ -18,7 +19,7 @@ Specs: ``synthetic:kv-retrieval`` (paper 002 App. A.1, UUID v4 pairs), ``synthet
 Details: sparsesearch/data/synthetic.py, files.py and visual.py.
 """
 
-from .calibration import HELD_OUT_OFFSET, held_out, load_calibration, retrieval_correct
+from .calibration import HELD_OUT_OFFSET, check_spec, held_out, load_calibration, retrieval_correct
 from .files import MIN_TOKENS
 from .sample import IMAGE, TEXT, VIDEO, Sample, sha256_of
 from .synthetic import GENERATORS
@@ -33,6 +34,7 @@ __all__ = [
     "TEXT",
     "VIDEO",
     "Sample",
+    "check_spec",
     "held_out",
     "load_calibration",
     "retrieval_correct",

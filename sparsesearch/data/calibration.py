@@ -22,9 +22,8 @@ def _check(max_tokens: int, samples: int = 1) -> None:
 
 
 def _generate(spec: str, tok, *, max_tokens: int, seed: int, chat: bool, frame_tokens, edit_rate) -> Sample:
-    generator = GENERATORS.get(spec)
-    if generator is None:
-        raise ValueError(f"unknown synthetic set '{spec}'; choose from {', '.join(GENERATORS)}")
+    check_spec(spec)
+    generator = GENERATORS[spec]
     if spec in _CHAT_SETS:
         return generator(tok, max_tokens=max_tokens, seed=seed, chat=chat)
     return generator(tok, max_tokens=max_tokens, seed=seed, frame_tokens=frame_tokens, edit_rate=edit_rate)
@@ -35,6 +34,17 @@ def _resolve_path(spec: str) -> Path:
     if not path.exists():
         raise ValueError(f"calibration file not found: {path}")
     return path.resolve()
+
+
+def check_spec(spec: str) -> None:
+    """Refuse a data spec before any model is loaded: an unknown synthetic set, a missing path, or a file
+    that cannot be decoded or has no prompt column (ValueError naming it). Files are opened and their
+    rows read, which is what loading does first anyway; tokenizing waits for the tokenizer."""
+    if spec.startswith("synthetic:"):
+        if spec not in GENERATORS:
+            raise ValueError(f"unknown synthetic set '{spec}'; choose from {', '.join(GENERATORS)}")
+        return
+    open_rows(_resolve_path(spec))
 
 
 def load_calibration(

@@ -39,14 +39,28 @@ def _pick_field(path: Path, columns: list[str]) -> str:
 
 
 def open_rows(path: Path) -> Rows:
-    """Rows of ``path`` (an existing file or directory), with the prompt field chosen."""
+    """Rows of ``path`` (an existing file or directory), with the prompt field chosen. A file that cannot
+    be decoded (not UTF-8, a damaged Parquet or Arrow file) is a ValueError that names it."""
+    reader = _reader(path)
+    try:
+        return reader(path)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except Exception as exc:  # noqa: BLE001 - pyarrow and datasets raise their own types for damaged files
+        if isinstance(exc, ValueError) and str(path) in str(exc):
+            raise  # ours: it names the file and the problem already
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
+
+
+def _reader(path: Path) -> Callable[[Path], Rows]:
     if path.is_dir():
-        return _dataset_rows(path)
+        return _dataset_rows
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _jsonl_rows(path)
+        return _jsonl_rows
     if suffix == ".parquet":
-        return _parquet_rows(path)
+        return _parquet_rows
     raise ValueError(
         f"unsupported calibration file '{path}': use .jsonl, .parquet, or a directory saved with "
         "datasets.Dataset.save_to_disk"

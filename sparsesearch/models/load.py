@@ -33,13 +33,7 @@ def load_model(
     when the directory has one, else a tokenizer, else None (a directory without tokenizer files);
     ``info.dtype`` is the dtype actually loaded.
     """
-    if dtype not in ("auto", *DTYPES):
-        raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
-    if device not in DEVICES:
-        raise ValueError(f"device '{device}' is not one of {', '.join(DEVICES)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = check_load_options(dtype, device)
     resolved = resolve(spec, trust_remote_code=trust_remote_code)
     torch_dtype = _choose_dtype(dtype, device, resolved)
 
@@ -61,6 +55,18 @@ def load_model(
     tokenizer = _load_tokenizer(resolved, trust_remote_code)
     info: ModelInfo = replace(resolved.info, dtype=str(model.dtype).removeprefix("torch."))
     return model, tokenizer, info
+
+
+def check_load_options(dtype: str, device: str) -> str:
+    """Refuse a dtype or device ``load_model`` cannot honour (before any weights are read); returns the
+    device "auto" resolves to here."""
+    if dtype not in ("auto", *DTYPES):
+        raise ValueError(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
+    if device not in DEVICES:
+        raise ValueError(f"device '{device}' is not one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def _choose_dtype(dtype: str, device: str, resolved: ResolvedModel) -> torch.dtype:

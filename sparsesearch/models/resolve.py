@@ -180,9 +180,11 @@ def _resolve_dir(spec: str, kind: str, path: Path, commit: str | None, trust: bo
         raise ValueError(f"model directory '{path}' has no config.json (expected Hugging Face layout)")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust, local_files_only=True)
-    except ValueError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise ValueError(f"model directory '{path}': config.json could not be read: {first}") from None
+    except Exception as exc:  # noqa: BLE001 - a bad config.json surfaces as many types
+        # transformers answers garbled JSON with OSError, a bad field with huggingface_hub's strict
+        # dataclass errors, odd shapes with KeyError/TypeError from its parsers: all one line here.
+        reason = " ".join(str(exc).split()) or exc.__class__.__name__
+        raise ValueError(f"model directory '{path}': config.json could not be read: {reason}") from None
     revision = commit or f"sha256:{weights_sha256(path)}"
     return ResolvedModel(spec, kind, path, None, config, info_from_config(spec, config, revision))
 

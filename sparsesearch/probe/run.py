@@ -56,16 +56,12 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
     from .sections import SectionSpec
 
     started = time.perf_counter()
-    if not 0 < cfg.threshold < 1:
-        raise ValueError(f"--threshold must be in (0, 1), got {cfg.threshold}")
-    if cfg.validate_step < 1:
-        raise ValueError(f"--validate-step must be >= 1, got {cfg.validate_step}")
+    preflight(cfg)
     stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; the probe prompt needs one")
     s = cfg.settings
-    s.check(info.max_position_embeddings)
     device = next(model.parameters()).device
     spec = SectionSpec(sink=s.sink, window=s.window, last=s.last)
     stage("building probe prompts")
@@ -96,6 +92,29 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
     except ImportError:
         plot = None
     return ProbeOutcome(path, result, start, validation, validated, plot, time.perf_counter() - started)
+
+
+def preflight(cfg: ProbeConfig) -> None:
+    """Every check that needs no weights, before the model loads (sparsesearch.preflight): options, the
+    prompt length against the model's context, the data specs, and an artifact already at --out (it is
+    composed with, so it must load and fit the model)."""
+    from .. import preflight as check
+
+    if not 0 < cfg.threshold < 1:
+        raise ValueError(f"--threshold must be in (0, 1), got {cfg.threshold}")
+    if cfg.validate_step < 1:
+        raise ValueError(f"--validate-step must be >= 1, got {cfg.validate_step}")
+    if cfg.validate and cfg.eval_samples < 1:
+        raise ValueError(f"--eval-samples must be >= 1 with --validate, got {cfg.eval_samples}")
+    if cfg.kl_tolerance < 0:
+        raise ValueError(f"--kl-tolerance must be >= 0, got {cfg.kl_tolerance}")
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise ValueError(f"--out {cfg.out} exists and is not a directory")
+    check.data("--data", cfg.settings.data)
+    check.data("--eval-data", cfg.eval_data if cfg.validate else None)
+    info = check.model_info(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, device=cfg.device)
+    cfg.settings.check(info.max_position_embeddings)
+    _existing(cfg.out, info)
 
 
 def _existing(out: Path, info):
