@@ -23,15 +23,16 @@ def test_cache_round_trips_under_its_stamp(tmp_path):
     {"env": {**cache_env(), "triton": "0.0.1"}, "costs": {"k": 1.0}},   # another Triton
     {"env": {**cache_env(), "kernels": "0" * 16}, "costs": {"k": 1.0}},  # older kernels
     {"H100|(1, 4, 512, 64)|ashape": 1.0},                                # the unstamped layout before
+    {"env": cache_env("NVIDIA H100 80GB HBM3"), "costs": {"k": 1.0}},   # another GPU
 ])
 def test_foreign_or_stale_cache_is_ignored_with_a_warning(tmp_path, content):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps(content))
     with pytest.warns(UserWarning, match="ignoring cost cache"):
-        costs = MeasuredCost(cache_path=path)
+        costs = MeasuredCost(cache_path=path, device_name="NVIDIA H200")
     assert costs._cache == {}
     costs._write()  # the next write replaces it with this install's stamp
-    assert json.loads(path.read_text())["env"] == cache_env()
+    assert json.loads(path.read_text())["env"] == cache_env("NVIDIA H200")
 
 
 def test_unreadable_cache_is_ignored_and_a_missing_one_is_silent(tmp_path, recwarn):

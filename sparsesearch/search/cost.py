@@ -62,24 +62,26 @@ def kernel_version(kernels: Path | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_env() -> dict[str, str]:
-    """What a measured time depends on besides its key: the torch, Triton and kernel versions."""
+def cache_env(device_name: str | None = None) -> dict[str, str]:
+    """What a measured time depends on besides its key: the torch, Triton and kernel versions, and the GPU
+    (``device_name``, e.g. "NVIDIA H200") when the cache is for one."""
     import triton
 
-    return {"torch": torch.__version__, "triton": triton.__version__, "kernels": kernel_version()}
+    env = {"torch": torch.__version__, "triton": triton.__version__, "kernels": kernel_version()}
+    return env if device_name is None else {**env, "device": device_name}
 
 
 class MeasuredCost:
     """Times are cached per (device name, shape, pattern, density) in a JSON file stamped with
-    ``cache_env()``; a file stamped otherwise (another install, older kernels) or unreadable is ignored
-    with a warning and replaced on the next write, never trusted."""
+    ``cache_env(device_name)``; a file stamped otherwise (another install, older kernels, another GPU) or
+    unreadable is ignored with a warning and replaced on the next write, never trusted."""
 
     kind = "measured"
 
-    def __init__(self, cache_path: Path | None = None, reps: int = 5):
+    def __init__(self, cache_path: Path | None = None, reps: int = 5, device_name: str | None = None):
         self.reps = reps
         self.cache_path = cache_path or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsesearch" / "costs.json"
-        self.env = cache_env()
+        self.env = cache_env(device_name)
         self._cache = self._read()
 
     def _read(self) -> dict:
@@ -128,4 +130,6 @@ class MeasuredCost:
 
 
 def cost_model_for(device: torch.device | str) -> CostModel:
-    return MeasuredCost() if str(device).startswith("cuda") else AnalyticCost()
+    if not str(device).startswith("cuda"):
+        return AnalyticCost()
+    return MeasuredCost(device_name=torch.cuda.get_device_name(torch.device(device)))
