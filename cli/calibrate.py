@@ -91,9 +91,12 @@ def _render(result, summary, density) -> None:
     fid = (result.fidelity or {}).get("layer_output_error", {})
     table.add_column("held-out error", justify="right")
     layers = sorted({r["layer"] for r in result.rows})
+    sliding = result.manifest["methods"]["mminference"].get("sliding_layers") or {}
     for layer in layers:
         rows = [r for r in _global(result.rows) if r["layer"] == layer]
         mix = ", ".join(f"{p}×{n}" for p, n in sorted(Counter(r["pattern"] for r in rows).items()))
+        if layer in sliding.get("layers", ()):  # a hybrid model's own window, not a searched choice
+            mix = f"model's sliding window {sliding['window']}"
         kinds = ", ".join(f"{b}×{n}" for b, n in sorted(Counter(r["boundary"] for r in rows).items()))
         dens = sum(density[(layer, r["head"])] for r in rows) / len(rows)
         err = result.manifest["methods"]["mminference"]["calibration_layer_output_error"].get(str(layer))
