@@ -15,7 +15,7 @@ from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console,
 
 @exits_cleanly
 def calibrate(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
+    model: Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
     data: Annotated[str, typer.Option(help="jsonl/parquet file, a saved HF dataset dir, or synthetic:kv-retrieval|passkey|frames|mixed.")] = "synthetic:kv-retrieval",
     search_space: Annotated[Optional[str], typer.Option(help="Bundled name or a JSON file (default: mminference, paper 000 Table 3).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Calibration length in tokens.")] = 4096,
