@@ -28,7 +28,7 @@ def evaluate(
     Example: sparsesearch evaluate artifacts/smollm2-135m --data synthetic:passkey --samples 10 --tokens 2048
     """
     from sparsesearch.artifacts import load_artifact
-    from sparsesearch.calibrate import evaluate_fidelity
+    from sparsesearch.fidelity import evaluate_fidelity
     from sparsesearch.models import load_model
 
     with err_console.status("loading model"):
