@@ -70,16 +70,16 @@ def sweep_nosa(
         print_json(summary)
         return
     table = Table(title=f"sweep-nosa → {outcome.path}  (context {outcome.context}, {decode_steps} steps)")
-    for col in ("proxy", "block", "budget", "k_q/k", "KL", "ppl (dense)", "recall", "γ mean", "γ min stable", "bound", "violations",
-                "unstable rows", "hit", "H2D KiB/tok", "tok/s (model)"):
+    for col in ("config", "KL", "recall", "γ mean", "γ≥bound", "viol.", "unstable", "hit", "H2D KiB/tok", "tok/s*"):
         table.add_column(col, justify="right")
     for x in outcome.summaries:
-        mark = " ◀" if outcome.recommended and x["config"] == outcome.recommended["config"] else ""
-        gmin = "—" if x["gamma_min_stable"] is None else f"{x['gamma_min_stable']:.3f}"
-        table.add_row(x["proxy"] + mark, str(x["block"]), str(x["budget"]), f"{x['k_q']}/{x['k']}", f"{x['kl']:.4f}",
-                      f"{x['ppl']:.2f} ({x['ppl_dense']:.2f})", f"{x['recall']:.3f}", f"{x['gamma_mean']:.3f}", gmin, f"{x['bound']:.3f}",
+        mark = "◀ " if outcome.recommended and x["config"] == outcome.recommended["config"] else ""
+        gmin = "—" if x["gamma_min_stable"] is None else f"{x['gamma_min_stable']:.2f}≥{x['bound']:.2f}"
+        table.add_row(mark + x["config"], f"{x['kl']:.4f}", f"{x['recall']:.3f}", f"{x['gamma_mean']:.3f}", gmin,
                       f"[red]{x['violations']}[/red]" if x["violations"] else "0", str(x["unstable_rows"]), f"{x['hit_rate']:.3f}",
                       f"{x['h2d_bytes_per_token'] / 1024:.1f}", f"{x['modelled_tokens_per_s']:.0f}")
     out_console.print(table)
+    out_console.print("γ≥bound: smallest γ at stable steps vs (k - k_q)/k; unstable: (layer, head, step) rows at block boundaries, "
+                      "reported apart; tok/s*: modelled (sparsesearch/nosa/throughput.py)")
     out_console.print(f"{outcome.seconds:.0f} s (model load {outcome.model_load_seconds:.0f} s, {outcome.resumed} configurations resumed) · "
                       f"recommended: {outcome.recommended['config'] if outcome.recommended else None} · plot: {summary['plot']}")
