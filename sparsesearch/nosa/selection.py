@@ -60,23 +60,26 @@ def query_unit_scores(q: torch.Tensor, units: torch.Tensor, n_units: torch.Tenso
     """Eq. 3 for the query: softmax over the compressed keys each row sees, summed over the GQA group.
 
     q: [..., Hkv, G, R, D] rows grouped by KV head; units: [..., Hkv, M, D] compressed keys;
-    n_units: long [R], how many units row r sees. Returns float32 [..., Hkv, R, M], -inf on unseen units.
+    n_units: long [R], how many units row r sees, or [B, R] per sequence when the leading dim is a batch
+    (each sequence has its own length). Returns float32 [..., Hkv, R, M], -inf on unseen units.
     """
     logits = torch.einsum("...hgrd,...hmd->...hgrm", q.float(), units.float()) * scale
-    seen = torch.arange(units.shape[-2], device=q.device)[None, :] < n_units[:, None]  # [R, M]
-    logits = logits.masked_fill(~seen, NEG)
+    seen = torch.arange(units.shape[-2], device=q.device) < n_units[..., None]  # [R, M] or [B, R, M]
+    per_seq = seen.dim() == 3
+    logits = logits.masked_fill(~(seen[:, None, None] if per_seq else seen), NEG)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(-3)  # a row that sees no unit has all zeros
-    return probs.masked_fill(~seen, NEG)
+    return probs.masked_fill(~(seen[:, None] if per_seq else seen), NEG)
 
 
 def agnostic_unit_scores(e: torch.Tensor, n_units: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
     """Eq. 3 for the query-agnostic score: mean over (kernel, stride) windows of per-token scores.
 
-    e: [..., R, T] per-token scores as row r sees them -> float32 [..., R, M], -inf on units row r lacks.
+    e: [..., R, T] per-token scores as row r sees them; n_units: long [R], or [B, R] when e is
+    [B, Hkv, R, T]. Returns float32 [..., R, M], -inf on units row r lacks.
     """
     units = compress(e.float()[..., None], kernel, stride)[..., 0]
-    seen = torch.arange(units.shape[-1], device=e.device)[None, :] < n_units[:, None]
-    return units.masked_fill(~seen, NEG)
+    seen = torch.arange(units.shape[-1], device=e.device) < n_units[..., None]
+    return units.masked_fill(~(seen[:, None] if seen.dim() == 3 else seen), NEG)
 
 
 def top_mask(scores: torch.Tensor, count: int, valid: torch.Tensor) -> torch.Tensor:
