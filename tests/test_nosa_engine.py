@@ -93,3 +93,38 @@ def test_generate_with_the_cache_equals_dense_when_everything_fits():
     assert torch.equal(out, dense)
     assert "device" in report and "host" in report
     assert model.config._attn_implementation != "sparsesearch_nosa"
+
+
+def test_runtime_apply_offloads_decode_from_an_artifact(tmp_path):
+    """An artifact's methods.nosa through the existing runtime: runtime.apply + nosa_cache + generate()."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparsesearch.artifacts import load_artifact, write_artifact
+    from sparsesearch.artifacts.manifest import new_manifest
+    from sparsesearch.models import info_from_model
+    from sparsesearch.runtime import apply, nosa_cache, remove
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)).eval()
+    rec = {"proxy": "vnorm", "block": 32, "budget": 128, "k": 4, "k_q": 1, "k_e": 1, "kq_ratio": 0.25, "n_init": 1, "n_win": 1, "kernel": 32, "stride": 16}
+    section = {"table": "nosa.parquet", "recommended": rec, "rule": "test", "sweep": {}, "configs": []}
+    import pandas as pd
+
+    info = info_from_model(model, spec="tiny-random-llama")
+    path = write_artifact(tmp_path / "art", new_manifest(info, head_index_space="kv", provenance={"kind": "manual"}, methods={"nosa": section}),
+                          {"heads.parquet": [], "nosa.parquet": pd.DataFrame({"config": ["x"]})})
+    ids = torch.randint(0, 300, (1, 300))
+    dense = model.generate(ids, max_new_tokens=4, do_sample=False)
+    apply(model, load_artifact(path, model_info=info))
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), dense)  # no NOSA cache: decode as before
+        cache = nosa_cache(model)
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+        layer = cache.layers[0]
+        assert layer.steps == 3 and layer.slot_map.ge(0).sum(-1).eq(4).all()  # 4 slots filled, 9 blocks in the cache
+        assert out.shape == dense.shape and torch.equal(out[:, :301], dense[:, :301])  # first token from the prefill
+    finally:
+        remove(model)
+    with pytest.raises(ValueError, match="no NOSA configuration"):
+        nosa_cache(model)

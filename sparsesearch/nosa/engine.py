@@ -359,26 +359,44 @@ def config_from_artifact(artifact) -> NosaConfig:
     return cfg
 
 
+def active_layer(module) -> NosaLayer | None:
+    """The NosaLayer of the cache in use for this attention module, or None (no engine, no NOSA cache in
+    use, or a sliding layer)."""
+    engine: NosaEngine | None = getattr(module, _ENGINE, None)
+    cache = engine.active() if engine is not None and engine.active is not None else None
+    layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
+    return layer if isinstance(layer, NosaLayer) else None
+
+
+def route(module, query, key, value, attention_mask, scaling, prefill_attention):
+    """Shared by every attention function that offloads decode: a decode step of a layer whose NOSA store
+    is filled runs over the slots; otherwise ``prefill_attention()`` computes the output (dense SDPA, or
+    the runtime's per-head sparse prefill) and a prefill fills the store. Returns (output, weights)."""
+    layer = active_layer(module)
+    if layer is None:
+        return prefill_attention()
+    filled = hasattr(layer, "keys_host")
+    if filled and query.shape[2] == 1:
+        return layer.decode(query), None
+    if filled:
+        raise ValueError("NOSA decode takes one token per step after the prefill; chunked decoding is not supported")
+    out = prefill_attention()
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    layer.prefill(key, value, query, _padding_starts(attention_mask, query.shape[0], key.device), scale)
+    return out
+
+
 def nosa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """AttentionInterface function: dense SDPA prefill that fills the NOSA store; decode over the slots."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    engine: NosaEngine | None = getattr(module, _ENGINE, None)
-    cache = engine.active() if engine is not None and engine.active is not None else None
-    layer = cache.layers[module.layer_idx] if cache is not None else None
-    if not isinstance(layer, NosaLayer):
+    def dense():
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] > 1:
-        if hasattr(layer, "keys_host"):
-            raise ValueError("NOSA decode takes one token per step after the prefill; chunked decoding is not supported")
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        layer.prefill(key, value, query, _padding_starts(attention_mask, query.shape[0], key.shape[2], key.device), scale)
-        return out
-    return layer.decode(query), None
+
+    return route(module, query, key, value, attention_mask, scaling, dense)
 
 
-def _padding_starts(mask, batch: int, n: int, device) -> torch.Tensor:
+def _padding_starts(mask, batch: int, device) -> torch.Tensor:
     """First real token of each left-padded sequence, from the prefill mask (None: no padding)."""
     if mask is None or mask.dim() != 4:
         return torch.zeros(batch, dtype=torch.long, device=device)
@@ -386,24 +404,14 @@ def _padding_starts(mask, batch: int, n: int, device) -> torch.Tensor:
     return last_row.long().argmax(-1).expand(batch)
 
 
-def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: int = 0) -> NosaEngine:
-    """Route the text decoder's attention through NOSA decode with the artifact's recommended configuration
-    (or ``cfg``). Returns the engine; ``engine.new_cache()`` is the cache to pass to ``generate``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+def attach(model, cfg: NosaConfig, *, seed: int = 0) -> NosaEngine:
+    """Give the text decoder's attention modules a NOSA engine (``engine.new_cache()`` makes its caches).
+    Registration of an attention function is the caller's (``enable_nosa``, or ``runtime.apply``)."""
     from ..models import info_from_model
     from .proxies import eviction_weights
     from .sweep import global_layers
 
-    cfg = cfg if cfg is not None else config_from_artifact(artifact)
     info = info_from_model(model)
-    if artifact is not None:
-        from ..artifacts.io import check_fits
-
-        check_fits(artifact.manifest, info)
-    AttentionInterface.register(ATTN_NAME, nosa_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")]
     eviction = {m.layer_idx: eviction_weights(m) for m in modules if eviction_weights(m) is not None}
     if cfg.proxy == "trained" and not eviction:
@@ -411,10 +419,38 @@ def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: in
     engine = NosaEngine(cfg, frozenset(global_layers(info)), info.num_layers, eviction, seed)
     for module in modules:
         setattr(module, _ENGINE, engine)
-    if not hasattr(model, _PREVIOUS):
-        setattr(model, _PREVIOUS, model.config.get_text_config()._attn_implementation)
+    return engine
+
+
+def engine_of(model) -> NosaEngine | None:
+    return next((getattr(m, _ENGINE) for m in model.modules() if hasattr(m, _ENGINE)), None)
+
+
+def detach(model) -> None:
+    for module in model.modules():
+        if hasattr(module, _ENGINE):
+            delattr(module, _ENGINE)
+
+
+def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: int = 0) -> NosaEngine:
+    """Route the text decoder's attention through NOSA decode with the artifact's recommended configuration
+    (or ``cfg``), dense prefill. Returns the engine; ``engine.new_cache()`` is the cache for ``generate``.
+    (``sparsesearch.runtime.apply`` does the same on top of the artifact's sparse prefill.)"""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     from ..models.capture import _set_text_attention
 
+    if artifact is not None:
+        from ..artifacts.io import check_fits
+        from ..models import info_from_model
+
+        check_fits(artifact.manifest, info_from_model(model))
+    engine = attach(model, cfg if cfg is not None else config_from_artifact(artifact), seed=seed)
+    AttentionInterface.register(ATTN_NAME, nosa_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if not hasattr(model, _PREVIOUS):
+        setattr(model, _PREVIOUS, model.config.get_text_config()._attn_implementation)
     _set_text_attention(model, ATTN_NAME)
     return engine
 
@@ -423,9 +459,7 @@ def disable_nosa(model) -> None:
     """Undo ``enable_nosa``."""
     from ..models.capture import _set_text_attention
 
-    for module in model.modules():
-        if hasattr(module, _ENGINE):
-            delattr(module, _ENGINE)
+    detach(model)
     previous = getattr(model, _PREVIOUS, None)
     if previous is not None:
         _set_text_attention(model, previous)
