@@ -128,3 +128,27 @@ def test_runtime_apply_offloads_decode_from_an_artifact(tmp_path):
         remove(model)
     with pytest.raises(ValueError, match="no NOSA configuration"):
         nosa_cache(model)
+
+
+@pytest.mark.parametrize("proxy", ["vnorm", "snapkv", "tova"])
+def test_engine_selects_what_the_sweep_measured(proxy):
+    """The runtime and the sweep share one definition: the same stream gives the same blocks at every step."""
+    from sparsesearch.nosa import LayerInputs
+    from sparsesearch.nosa.simulate import block_scores
+    from sparsesearch.nosa.selection import select_blocks
+
+    torch.manual_seed(4)
+    cfg = make_config(256, 0.25, 32, proxy)
+    hkv, g, dim, prompt, steps = 2, 2, 8, 290, 50
+    k, v, q = torch.randn(hkv, prompt + steps, dim), torch.randn(hkv, prompt + steps, dim), torch.randn(hkv, g, prompt + steps, dim)
+    sq, se, tail, _, _ = block_scores(LayerInputs(q[:, :, prompt:], k, v, q[:, :, prompt - 64 : prompt], 0.3), cfg)
+    want, _ = select_blocks(sq, se, tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+    layer = NosaLayer(cfg)
+    layer.lazy_initialization(k[None], v[None])
+    layer.prefill(k[None, :, :prompt], v[None, :, :prompt], q[None, :, :, :prompt].reshape(1, hkv * g, prompt, dim), torch.tensor([0]), 0.3)
+    for t in range(steps):
+        p = prompt + t
+        layer.update(k[None, :, p : p + 1], v[None, :, p : p + 1])
+        layer.decode(q[None, :, :, p : p + 1].reshape(1, hkv * g, 1, dim))
+        got = layer.last_selected[0]
+        assert torch.equal(got, want[:, t, : got.shape[-1]]), t
