@@ -152,3 +152,25 @@ def test_engine_selects_what_the_sweep_measured(proxy):
         layer.decode(q[None, :, :, p : p + 1].reshape(1, hkv * g, 1, dim))
         got = layer.last_selected[0]
         assert torch.equal(got, want[:, t, : got.shape[-1]]), t
+
+
+def test_engine_on_a_hybrid_model_offloads_global_layers_only(tmp_path):
+    """Gemma 3 hybrid: global layers get NosaLayers, sliding layers transformers' own cache; with a budget
+    that covers the context, generate() equals dense decoding."""
+    from transformers import Gemma3ForCausalLM
+
+    from tiny_model import GEMMA_LAYER_TYPES, tiny_gemma_config
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(tiny_gemma_config()).eval()
+    ids = torch.randint(0, 128, (1, 150))
+    dense = model.generate(ids, max_new_tokens=4, do_sample=False)
+    engine = enable_nosa(model, cfg=make_config(512, 0.25, 32, "vnorm"))
+    try:
+        cache = engine.new_cache()
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    finally:
+        disable_nosa(model)
+    kinds = [isinstance(layer, NosaLayer) for layer in cache.layers]
+    assert kinds == [t == "full_attention" for t in GEMMA_LAYER_TYPES]
+    assert torch.equal(out, dense)

@@ -139,3 +139,17 @@ def test_sweep_on_smollm2(tmp_path):
     assert len(art.tables["nosa.parquet"]) == len(summary["configs"]) * 30 * 3 * 32
     assert all(c["violations"] == 0 for c in summary["configs"])
     assert art.manifest["methods"]["nosa"]["recommended"]["proxy"] in ("snapkv", "vnorm")
+
+
+def test_sweep_selects_only_on_global_layers_of_a_hybrid_model(tmp_path):
+    """Gemma 3 hybrid: sliding layers keep their window; nosa.parquet holds the global layers only."""
+    from tiny_model import GEMMA_LAYER_TYPES, make_tiny_gemma
+
+    model = make_tiny_gemma(tmp_path / "gemma")
+    out = tmp_path / "art"
+    run_cli(["--model", model, "--budget", "128,192", "--kq-ratio", "0.25", "--block-size", "32", "--context", "300",
+             "--decode-steps", "24", "--out", out])
+    art = load_artifact(out)
+    global_layers = [i for i, t in enumerate(GEMMA_LAYER_TYPES) if t == "full_attention"]
+    assert sorted(art.tables["nosa.parquet"]["layer"].unique()) == global_layers
+    assert art.manifest["methods"]["nosa"]["layers"] == global_layers

@@ -38,7 +38,6 @@ from .simulate import LayerInputs, simulate_layer
 from .throughput import DeviceModel, tokens_per_second
 
 SWEEP_ATTENTION = "sparsesearch_nosa_sweep"
-SLIDING = "sliding_attention"
 _HANDLER: ContextVar[Callable | None] = ContextVar("sparsesearch_nosa_handler", default=None)
 
 
@@ -139,11 +138,13 @@ def existing_artifact(path: Path, info, option: str):
 
 
 def global_layers(info) -> list[int]:
-    """Layers NOSA selects on: every layer, or a hybrid model's full-attention layers only."""
-    types = getattr(info, "layer_types", None)
-    if not types:
+    """Layers NOSA selects on: every layer, or a hybrid model's full-attention layers only (sliding-window
+    layers keep the model's own window: their cache is already bounded)."""
+    from ..models.info import SLIDING
+
+    if info.layer_types is None:
         return list(range(info.num_layers))
-    return [i for i, t in enumerate(types) if t != SLIDING]
+    return [i for i, t in enumerate(info.layer_types) if t != SLIDING]
 
 
 # ------------------------------------------------------------------------------------ attention routing
