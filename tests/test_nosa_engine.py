@@ -9,7 +9,8 @@ import torch
 
 from sparsesearch.kernels.block_gather import gather_blocks, gather_blocks_torch
 from sparsesearch.nosa.config import make_config
-from sparsesearch.nosa.engine import NosaLayer, disable_nosa, enable_nosa
+from sparsesearch.nosa.engine import disable_nosa, enable_nosa
+from sparsesearch.runtime.offload_cache import NosaLayer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,11 +21,9 @@ Sliding-window layers of hybrid models keep transformers' own cache path (dense 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import NosaConfig
 from .proxies import OBS_WINDOW, proxy_versions, trained_scores
@@ -43,16 +41,15 @@ def _pinned(shape, dtype, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
 
-class NosaLayer(CacheLayerMixin):
-    """One global layer's offloaded cache. Host: keys/values [B, Hkv, capacity, D] (each sequence from its
+class OffloadedLayer:
+    """One global layer's offloaded cache (no transformers import here: ``runtime.offload_cache.NosaLayer``
+    adds transformers' CacheLayerMixin to it). Host: keys/values [B, Hkv, capacity, D] (each sequence from its
     own first token), per-token query-agnostic scores [B, Hkv, capacity]. Device: slots [B, Hkv, k, block, D],
     slot map [B, Hkv, k] (block id or -1), tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D]."""
 
-    is_sliding = False
-    is_compileable = False
-
     def __init__(self, cfg: NosaConfig, seed: int = 0):
-        super().__init__()
+        self.keys = self.values = None
+        self.is_initialized = False
         self.cfg, self.seed = cfg, seed
         self.seen = 0  # tokens the model's positions have advanced (padded coordinate, for masks)
         self.h2d_bytes = self.d2h_bytes = self.moved_blocks = self.steps = 0
@@ -253,8 +250,10 @@ class NosaLayer(CacheLayerMixin):
         self.slots_k[b_idx[t], h_idx[t], slt[t]] = self.old_tail_k[b_idx[t], h_idx[t]]
         self.slots_v[b_idx[t], h_idx[t], slt[t]] = self.old_tail_v[b_idx[t], h_idx[t]]
         h = ~from_tail
-        gather_blocks(self.keys_host, self.values_host, self.slots_k, self.slots_v, b_idx[h].cpu(), h_idx[h].cpu(), blk[h].cpu(), slt[h].cpu()) \
-            if self.slots_k.is_cuda else _gather_cpu(self, b_idx[h], h_idx[h], blk[h], slt[h])
+        if self.slots_k.is_cuda:  # the kernel reads the pinned store through UVA
+            gather_blocks(self.keys_host, self.values_host, self.slots_k, self.slots_v, b_idx[h], h_idx[h], blk[h], slt[h])
+        else:
+            _gather_cpu(self, b_idx[h], h_idx[h], blk[h], slt[h])
         self.h2d_bytes += int(h.sum()) * cfg.block * self.slots_k.shape[-1] * 2 * self.slots_k.element_size()
         self.moved_blocks += int(t.sum())
         self.slot_map = new_map
@@ -299,38 +298,13 @@ class NosaLayer(CacheLayerMixin):
                 "d2h_bytes": self.d2h_bytes, "blocks_moved_from_tail": self.moved_blocks, "steps": self.steps}
 
 
-def _gather_cpu(layer: NosaLayer, b, h, blocks, slots) -> None:
+def _gather_cpu(layer: OffloadedLayer, b, h, blocks, slots) -> None:
     """CPU run: the same Triton kernel under TRITON_INTERPRET=1, else its torch twin."""
     from ..kernels._common import interpreting
     from ..kernels.block_gather import gather_blocks, gather_blocks_torch
 
     run = gather_blocks if interpreting() else gather_blocks_torch
     run(layer.keys_host, layer.values_host, layer.slots_k, layer.slots_v, b, h, blocks, slots)
-
-
-class NosaCache(Cache):
-    """transformers Cache for NOSA decode: a NosaLayer per global layer, a DynamicLayer per sliding one."""
-
-    def __init__(self, engine: "NosaEngine"):
-        from transformers.cache_utils import DynamicLayer
-
-        layers = [NosaLayer(engine.cfg, engine.seed) if i in engine.layers else DynamicLayer() for i in range(engine.num_layers)]
-        super().__init__(layers=layers)
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, NosaLayer):
-                layer.eviction = engine.eviction.get(i)
-        engine.active = weakref.ref(self)
-
-    def memory_report(self) -> str:
-        totals: dict[str, int] = {}
-        for layer in self.layers:
-            if isinstance(layer, NosaLayer) and hasattr(layer, "keys_host"):
-                for key, value in layer.memory().items():
-                    totals[key] = totals.get(key, 0) + value
-        mib = lambda x: f"{x / 2**20:.2f} MiB"  # noqa: E731
-        return (f"NOSA cache: device {mib(totals.get('device_bytes', 0))} (slots + tail + selection state) vs host "
-                f"{mib(totals.get('host_bytes_used', 0))} used of {mib(totals.get('host_bytes', 0))} allocated; "
-                f"H2D {mib(totals.get('h2d_bytes', 0))}, D2H {mib(totals.get('d2h_bytes', 0))} over {max((l.steps for l in self.layers if isinstance(l, NosaLayer)), default=0)} steps")
 
 
 @dataclass
@@ -342,7 +316,10 @@ class NosaEngine:
     seed: int = 0
     active: object = None
 
-    def new_cache(self) -> NosaCache:
+    def new_cache(self):
+        """A fresh ``runtime.offload_cache.NosaCache`` (a transformers Cache) for one ``generate`` call."""
+        from ..runtime.offload_cache import NosaCache
+
         return NosaCache(self)
 
 
@@ -359,13 +336,13 @@ def config_from_artifact(artifact) -> NosaConfig:
     return cfg
 
 
-def active_layer(module) -> NosaLayer | None:
+def active_layer(module) -> OffloadedLayer | None:
     """The NosaLayer of the cache in use for this attention module, or None (no engine, no NOSA cache in
     use, or a sliding layer)."""
     engine: NosaEngine | None = getattr(module, _ENGINE, None)
     cache = engine.active() if engine is not None and engine.active is not None else None
     layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
-    return layer if isinstance(layer, NosaLayer) else None
+    return layer if isinstance(layer, OffloadedLayer) else None
 
 
 def route(module, query, key, value, attention_mask, scaling, prefill_attention):
