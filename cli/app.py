@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, sweep_nosa, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -22,6 +22,7 @@ app.command("validate")(validate.validate)
 app.command("export")(export.export)
 app.command("import-minference")(import_minference.import_minference)
 app.command("diff")(diff.diff)
+app.command("sweep-nosa")(sweep_nosa.sweep_nosa)
 
 
 @app.callback()

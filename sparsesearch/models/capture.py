@@ -88,14 +88,22 @@ def attention_capture(model: torch.nn.Module, sink: Sink) -> Iterator[None]:
     its previous implementation is restored on exit, also when the block raises.
     """
     register_capture_attention()
+    with routed_attention(model, CAPTURE_ATTENTION, _ACTIVE_SINK, sink):
+        yield
+
+
+@contextmanager
+def routed_attention(model: torch.nn.Module, name: str, var: ContextVar, value) -> Iterator[None]:
+    """Within the block ``var`` holds ``value`` and the text decoder (only) runs attention implementation
+    ``name`` (registered by the caller); both are restored on exit, also when the block raises."""
     text_config = model.config.get_text_config()
     previous = text_config._attn_implementation
-    token = _ACTIVE_SINK.set(sink)
+    token = var.set(value)
     try:
-        _set_text_attention(model, CAPTURE_ATTENTION)
+        _set_text_attention(model, name)
         yield
     finally:
-        _ACTIVE_SINK.reset(token)
+        var.reset(token)
         if text_config._attn_implementation != previous:
             _set_text_attention(model, previous)
 

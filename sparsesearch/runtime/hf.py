@@ -33,7 +33,18 @@ _PREVIOUS = "_sparsesearch_previous_attn"
 
 
 def sparsesearch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """AttentionInterface function: q [B, Hq, N, D], k/v [B, Hkv, N, D] post-RoPE -> ([B, N, Hq, D], None)."""
+    """AttentionInterface function: q [B, Hq, N, D], k/v [B, Hkv, N, D] post-RoPE -> ([B, N, Hq, D], None).
+    With an artifact's methods.nosa applied and a NOSA cache in use (``nosa_cache``), decode steps run over
+    the offloaded cache's slots and the prefill below fills its host store (sparsesearch/nosa/engine.py)."""
+    from ..nosa.engine import route
+
+    def prefill():
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    return route(module, query, key, value, attention_mask, scaling, prefill)
+
+
+def _attention(module, query, key, value, attention_mask, dropout: float, scaling: float | None, **kwargs):
     runner: Runner | None = getattr(module, _RUNNER, None)
     layer = getattr(module, _LAYER, None)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -142,10 +153,12 @@ def _attention_modules(model, num_layers: int):
             yield module
 
 
-def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False) -> Plan:
+def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False, nosa: bool = True) -> Plan:
     """Plan the artifact for this model and route its attention through sparsesearch. Returns the plan.
 
     artifact: an object with ``manifest`` (dict) and ``heads`` (DataFrame), e.g. from artifacts.load_artifact.
+    nosa: when the artifact has ``methods.nosa``, offload decode with its recommended configuration for
+    generations given ``nosa_cache(model)`` as their cache (others decode as before).
     """
     from ..kernels._common import SUPPORTED_HEAD_DIMS
 
@@ -164,12 +177,30 @@ def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_onl
         setattr(module, _LAYER, plan.layer(module.layer_idx))
     if not hasattr(model, _PREVIOUS):
         setattr(model, _PREVIOUS, model.config._attn_implementation)
+    if nosa and (artifact.manifest.get("methods") or {}).get("nosa"):
+        from ..nosa.engine import attach, config_from_artifact
+
+        attach(model, config_from_artifact(artifact))
     model.set_attn_implementation(ATTN_NAME)
     return plan
 
 
+def nosa_cache(model):
+    """A fresh offloaded NOSA cache (a transformers Cache) for ``model.generate(past_key_values=...)``; the
+    applied artifact must have methods.nosa."""
+    from ..nosa.engine import engine_of
+
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError("no NOSA configuration is applied to this model (runtime.apply with an artifact that has methods.nosa)")
+    return engine.new_cache()
+
+
 def remove(model) -> None:
     """Undo ``apply``: the previous attention implementation and no sparsesearch attributes left."""
+    from ..nosa.engine import detach
+
+    detach(model)
     for module in model.modules():
         for name in (_RUNNER, _LAYER):
             if hasattr(module, name):

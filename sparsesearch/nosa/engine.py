@@ -1,0 +1,443 @@
+"""Offloaded NOSA decode (paper 004 §3.2, NOSI): the full KV cache in host memory (pinned where a GPU
+exists), k block slots per (layer, sequence, KV head) plus the tail block on the device, missed blocks
+fetched by set difference of the slot map, decode attention over the slots only.
+
+Use::
+
+    engine = enable_nosa(model, artifact)              # registers the attention function (AttentionInterface)
+    cache = engine.new_cache()                         # a transformers Cache: generate() needs no patching
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    print(cache.memory_report())                       # device vs host bytes, H2D/D2H traffic
+    disable_nosa(model)
+
+Prefill runs dense attention (SDPA) and fills the host store, one row per sequence in its own coordinates
+(left padding stripped, so sink and blocks are the sequence's own); each decode step, per global layer,
+batched over sequences and KV heads: compressed keys grow by one unit every ``stride`` tokens, the
+query-agnostic scores are recomputed when a sequence starts a new block, the selection (nosa.selection)
+picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
+(kernels.block_gather; the previous tail block moves from the tail slot, never from the host).
+Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import NosaConfig
+from .proxies import OBS_WINDOW, proxy_versions, trained_scores
+from .selection import agnostic_unit_scores, pool_blocks, query_unit_scores, select_blocks, unit_count
+
+ATTN_NAME = "sparsesearch_nosa"
+_ENGINE = "_sparsesearch_nosa_engine"
+_PREVIOUS = "_sparsesearch_nosa_previous_attn"
+ENGINE_PROXIES = ("trained", "snapkv", "tova", "vnorm", "random")
+
+
+def _pinned(shape, dtype, like: torch.Tensor) -> torch.Tensor:
+    """Host memory for the store: pinned when a GPU will read it through UVA, plain on a CPU-only run."""
+    pin = like.is_cuda
+    return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+
+class OffloadedLayer:
+    """One global layer's offloaded cache (no transformers import here: ``runtime.offload_cache.NosaLayer``
+    adds transformers' CacheLayerMixin to it). Host: keys/values [B, Hkv, capacity, D] (each sequence from its
+    own first token), per-token query-agnostic scores [B, Hkv, capacity]. Device: slots [B, Hkv, k, block, D],
+    slot map [B, Hkv, k] (block id or -1), tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D]."""
+
+    def __init__(self, cfg: NosaConfig, seed: int = 0):
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cfg, self.seed = cfg, seed
+        self.seen = 0  # tokens the model's positions have advanced (padded coordinate, for masks)
+        self.h2d_bytes = self.d2h_bytes = self.moved_blocks = self.steps = 0
+        self.last_selected = None
+        self.eviction = None
+
+    # ------------------------------------------------------------------ transformers Cache layer protocol
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Prefill: returned as is (the attention function stores them with the padding it sees).
+        Decode: each sequence's new token is appended to the host store and the tail block."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        if key_states.shape[-2] == 1 and hasattr(self, "keys_host"):
+            self._append(key_states[:, :, 0], value_states[:, :, 0])
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ------------------------------------------------------------------------------------------ storage
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, starts: torch.Tensor, scale: float) -> None:
+        """Store a dense prefill: keys/values [B, Hkv, N, D], queries [B, Hq, N, D]; starts: long [B] the
+        first real token of each (left-padded) sequence."""
+        batch, kv_heads, n, dim = keys.shape
+        cfg = self.cfg
+        self.scale, self.kv_heads, self.group = scale, kv_heads, queries.shape[1] // kv_heads
+        self.lengths = (n - starts).to(keys.device)
+        capacity = max(2 * n, n + 256)
+        self.keys_host = _pinned((batch, kv_heads, capacity, dim), keys.dtype, keys)
+        self.values_host = _pinned((batch, kv_heads, capacity, dim), keys.dtype, keys)
+        hist = max(OBS_WINDOW, cfg.block)
+        self.queries = torch.zeros(batch, queries.shape[1], hist, dim, dtype=torch.float32, device=keys.device)  # ring of recent queries
+        for b in range(batch):  # once per prompt, not per step: strip each sequence's padding
+            real = n - int(starts[b])
+            self.keys_host[b, :, :real] = keys[b, :, int(starts[b]):].cpu()
+            self.values_host[b, :, :real] = values[b, :, int(starts[b]):].cpu()
+            take = min(real, hist)
+            self.queries[b, :, hist - take:] = queries[b, :, n - take:].float()
+        self.slots_k = torch.zeros(batch, kv_heads, cfg.k, cfg.block, dim, dtype=keys.dtype, device=keys.device)
+        self.slots_v = torch.zeros_like(self.slots_k)
+        self.slot_map = torch.full((batch, kv_heads, cfg.k), -1, dtype=torch.long, device=keys.device)
+        self.tail_k = torch.zeros(batch, kv_heads, cfg.block, dim, dtype=keys.dtype, device=keys.device)
+        self.tail_v = torch.zeros_like(self.tail_k)
+        for b in range(batch):
+            self._load_tail(b)
+        self.scores = torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=keys.device)
+        self.units = torch.zeros(batch, kv_heads, unit_count(capacity, cfg.kernel, cfg.stride), dim, dtype=torch.float32, device=keys.device)
+        self.n_units = torch.zeros(batch, dtype=torch.long, device=keys.device)
+        self._grow_units()
+        self.pending_tail_move = torch.zeros(batch, dtype=torch.bool, device=keys.device)
+        self.old_tail_k, self.old_tail_v = self.tail_k, self.tail_v
+        for b in range(batch):
+            self._refresh(b, n - int(starts[b]))
+
+    def _load_tail(self, b: int) -> None:
+        """The tail slot of sequence b from the host (prefill only: afterwards it is written on the device)."""
+        last = int(self.lengths[b]) - 1
+        start = last // self.cfg.block * self.cfg.block
+        self.tail_k[b].zero_()
+        self.tail_v[b].zero_()
+        self.tail_k[b, :, : last - start + 1] = self.keys_host[b, :, start : last + 1].to(self.tail_k.device)
+        self.tail_v[b, :, : last - start + 1] = self.values_host[b, :, start : last + 1].to(self.tail_v.device)
+
+    def _ensure_capacity(self, need: int) -> None:
+        cap = self.keys_host.shape[2]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        for name in ("keys_host", "values_host"):
+            old = getattr(self, name)
+            grown = _pinned((*old.shape[:2], new, old.shape[-1]), old.dtype, self.slots_k)
+            grown[:, :, :cap] = old
+            setattr(self, name, grown)
+        scores = torch.zeros(*self.scores.shape[:2], new, dtype=torch.float32, device=self.scores.device)
+        scores[..., :cap] = self.scores
+        self.scores = scores
+        units = torch.zeros(*self.units.shape[:2], unit_count(new, self.cfg.kernel, self.cfg.stride), self.units.shape[-1], device=self.units.device)
+        units[:, :, : self.units.shape[2]] = self.units
+        self.units = units
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hkv, D], the new token of every sequence: host store (the full cache) and tail slot."""
+        batch = k.shape[0]
+        self._ensure_capacity(int(self.lengths.max()) + 1)
+        pos = self.lengths.clone()
+        rows = torch.arange(batch, device=k.device)
+        self.keys_host[rows.cpu(), :, pos.cpu()] = k.cpu()
+        self.values_host[rows.cpu(), :, pos.cpu()] = v.cpu()
+        self.lengths = self.lengths + 1
+        new_block = pos % self.cfg.block == 0
+        self.pending_tail_move = new_block  # the old tail is complete: it moves to a slot at selection time
+        self.old_tail_k, self.old_tail_v = self.tail_k.clone(), self.tail_v.clone()
+        self.d2h_bytes += k.numel() * 2 * k.element_size()  # each new token's K and V go to the host store
+        self.tail_k[new_block] = 0
+        self.tail_v[new_block] = 0
+        off = pos % self.cfg.block
+        self.tail_k[rows, :, off] = k
+        self.tail_v[rows, :, off] = v
+        self._grow_units()
+
+    def _grow_units(self) -> None:
+        """One compressed key per (kernel, stride) window that has become complete."""
+        cfg = self.cfg
+        target = unit_count(self.lengths, cfg.kernel, cfg.stride)
+        for b in (target > self.n_units).nonzero().flatten().tolist():  # at most every `stride` steps per sequence
+            for m in range(int(self.n_units[b]), int(target[b])):
+                window = self.keys_host[b, :, m * cfg.stride : m * cfg.stride + cfg.kernel].float()
+                self.units[b, :, m] = window.mean(1).to(self.units.device)
+        self.n_units = target
+
+    def _refresh(self, b: int, p: int) -> None:
+        """Recompute sequence b's per-token query-agnostic scores at position p (the prompt's end, then each
+        new block's first token) from the rows before p: the query ring holds positions p - hist .. p - 1."""
+        cfg = self.cfg
+        n = int(self.lengths[b])
+        k = self.keys_host[b, :, :n].to(self.units.device)
+        v = self.values_host[b, :, :n].to(self.units.device)
+        hist = self.queries.shape[2]
+        rows_q = self.queries[b].reshape(self.kv_heads, self.group, hist, -1)
+        rows_pos = torch.arange(p - hist, p, device=k.device)
+        keep = rows_pos >= 0
+        scores = proxy_versions(cfg.proxy, k=k, v=v, rows_q=rows_q[:, :, keep], rows_pos=rows_pos[keep], refresh=[p],
+                                scale=self.scale, eviction=self.eviction, block=cfg.block, seed=self.seed)
+        self.scores[b].zero_()
+        self.scores[b, :, :n] = scores[0]
+
+    # ------------------------------------------------------------------------------------------- decode
+
+    def decode(self, query: torch.Tensor) -> torch.Tensor:
+        """query: [B, Hq, 1, D] of the token just appended. Returns [B, 1, Hq, D]."""
+        cfg = self.cfg
+        batch, heads, _, dim = query.shape
+        last = self.lengths - 1
+        for b in self.pending_tail_move.nonzero().flatten().tolist():  # a new block: scores change only here
+            self._refresh(b, int(last[b]))
+        selected = self.select(query, last)
+        self._map_slots(selected, last)
+        self.queries = torch.cat([self.queries[:, :, 1:], query.float()], dim=2)  # the ring's newest row: this step
+        self.steps += 1
+        return self.attend(query, last)
+
+    def select(self, query: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Eq. 5 for every (sequence, KV head): bool [B, Hkv, N]."""
+        cfg = self.cfg
+        n_blocks = -(-int(self.lengths.max()) // cfg.block)
+        q = query.reshape(query.shape[0], self.kv_heads, self.group, 1, query.shape[-1])
+        n_units = self.n_units[:, None]  # [B, R=1]
+        sq = pool_blocks(query_unit_scores(q, self.units, n_units, self.scale)[:, :, 0], n_blocks, cfg.ratio)  # [B, Hkv, N]
+        cap = self.scores.shape[-1]
+        se = pool_blocks(agnostic_unit_scores(self.scores[:, :, None, :cap], n_units, cfg.kernel, cfg.stride)[:, :, 0], n_blocks, cfg.ratio)
+        tail = torch.div(last, cfg.block, rounding_mode="floor")
+        # select_blocks takes rows as its second-to-last dim: sequences are the rows, KV heads lead
+        sel, _ = select_blocks(sq.transpose(0, 1), se.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+        self.last_selected = sel.transpose(0, 1)
+        return self.last_selected
+
+    def _map_slots(self, selected: torch.Tensor, last: torch.Tensor) -> None:
+        """Slot map by set difference: slots whose block stays selected keep it; the newly selected blocks
+        take the freed slots in block order; the previous tail block comes from the tail slot, others from
+        the host store."""
+        from ..kernels.block_gather import gather_blocks
+
+        cfg = self.cfg
+        batch, kv_heads, n_blocks = selected.shape
+        in_slot = self.slot_map >= 0
+        keep = in_slot & selected.gather(-1, self.slot_map.clamp(min=0))
+        resident = torch.zeros(selected.shape, dtype=torch.int32, device=selected.device).scatter_add_(-1, self.slot_map.clamp(min=0), keep.int()) > 0
+        missing = selected & ~resident
+        # i-th missing block (block order) -> i-th free slot (slot order)
+        free = ~keep
+        miss_order = torch.sort((~missing).to(torch.int8), dim=-1, stable=True).indices  # missing block ids first
+        free_order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices  # free slot ids first
+        n_miss = missing.sum(-1)
+        rank = torch.arange(cfg.k, device=selected.device)
+        take = rank[None, None, :] < n_miss[..., None]  # [B, Hkv, k]
+        blocks = miss_order[..., : cfg.k]
+        slots = free_order
+        new_map = torch.where(keep, self.slot_map, torch.full_like(self.slot_map, -1))
+        b_idx, h_idx, r_idx = take.nonzero(as_tuple=True)
+        blk, slt = blocks[b_idx, h_idx, r_idx], slots[b_idx, h_idx, r_idx]
+        new_map[b_idx, h_idx, slt] = blk
+        prev_tail = torch.div(last - 1, cfg.block, rounding_mode="floor")
+        from_tail = self.pending_tail_move[b_idx] & (blk == prev_tail[b_idx])
+        t = from_tail
+        self.slots_k[b_idx[t], h_idx[t], slt[t]] = self.old_tail_k[b_idx[t], h_idx[t]]
+        self.slots_v[b_idx[t], h_idx[t], slt[t]] = self.old_tail_v[b_idx[t], h_idx[t]]
+        h = ~from_tail
+        if self.slots_k.is_cuda:  # the kernel reads the pinned store through UVA
+            gather_blocks(self.keys_host, self.values_host, self.slots_k, self.slots_v, b_idx[h], h_idx[h], blk[h], slt[h])
+        else:
+            _gather_cpu(self, b_idx[h], h_idx[h], blk[h], slt[h])
+        self.h2d_bytes += int(h.sum()) * cfg.block * self.slots_k.shape[-1] * 2 * self.slots_k.element_size()
+        self.moved_blocks += int(t.sum())
+        self.slot_map = new_map
+        self.pending_tail_move = torch.zeros_like(self.pending_tail_move)
+
+    def attend(self, query: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Decode attention over the k slots and the tail slot (eviction bias added when the head exists)."""
+        cfg = self.cfg
+        batch, heads, _, dim = query.shape
+        keys = torch.cat([self.slots_k.flatten(2, 3), self.tail_k], dim=2).float()  # [B, Hkv, (k+1)*block, D]
+        values = torch.cat([self.slots_v.flatten(2, 3), self.tail_v], dim=2).float()
+        offs = torch.arange(cfg.block, device=query.device)
+        slot_ok = (self.slot_map >= 0)[..., None].expand(-1, -1, -1, cfg.block).flatten(2)
+        tail_ok = (offs[None, :] <= (last % cfg.block)[:, None])[:, None].expand(-1, self.kv_heads, -1)
+        ok = torch.cat([slot_ok, tail_ok], dim=2)  # [B, Hkv, (k+1)*block]
+        q = query.reshape(batch, self.kv_heads, self.group, dim).float()
+        logits = torch.einsum("bhgd,bhtd->bhgt", q, keys) * self.scale
+        if self.eviction is not None:
+            logits = logits + self._bias(last)[:, :, None]
+        probs = torch.softmax(logits.masked_fill(~ok[:, :, None], float("-inf")), dim=-1)
+        out = torch.einsum("bhgt,bhtd->bhgd", probs, values)
+        return out.reshape(batch, heads, dim)[:, None].to(query.dtype)
+
+    def _bias(self, last: torch.Tensor) -> torch.Tensor:
+        """Per slot key: the trained score of the token it holds (the additive logit bias), [B, Hkv, (k+1)*block]."""
+        cfg = self.cfg
+        offs = torch.arange(cfg.block, device=last.device)
+        tokens = (self.slot_map.clamp(min=0)[..., None] * cfg.block + offs).flatten(2)
+        tail_tokens = (torch.div(last, cfg.block, rounding_mode="floor") * cfg.block)[:, None, None] + offs
+        tokens = torch.cat([tokens, tail_tokens.expand(-1, self.kv_heads, -1)], dim=2)
+        cap = self.keys_host.shape[2]
+        v = self.values_host[:, :, :cap].to(self.slots_v.device)
+        bias = trained_scores(v, *self.eviction)  # [B, Hkv, cap]
+        return bias.gather(-1, tokens.clamp(max=cap - 1))
+
+    def memory(self) -> dict:
+        """Bytes held on the device (slots, tail, map, compressed keys, scores) and on the host (full KV)."""
+        device = sum(t.numel() * t.element_size() for t in (self.slots_k, self.slots_v, self.tail_k, self.tail_v, self.slot_map, self.units, self.scores, self.queries))
+        host = sum(t.numel() * t.element_size() for t in (self.keys_host, self.values_host))
+        used = int(self.lengths.sum()) * self.kv_heads * self.keys_host.shape[-1] * 2 * self.keys_host.element_size()
+        return {"device_bytes": device, "host_bytes": host, "host_bytes_used": used, "h2d_bytes": self.h2d_bytes,
+                "d2h_bytes": self.d2h_bytes, "blocks_moved_from_tail": self.moved_blocks, "steps": self.steps}
+
+
+def _gather_cpu(layer: OffloadedLayer, b, h, blocks, slots) -> None:
+    """CPU run: the same Triton kernel under TRITON_INTERPRET=1, else its torch twin."""
+    from ..kernels._common import interpreting
+    from ..kernels.block_gather import gather_blocks, gather_blocks_torch
+
+    run = gather_blocks if interpreting() else gather_blocks_torch
+    run(layer.keys_host, layer.values_host, layer.slots_k, layer.slots_v, b, h, blocks, slots)
+
+
+@dataclass
+class NosaEngine:
+    cfg: NosaConfig
+    layers: frozenset[int]
+    num_layers: int
+    eviction: dict
+    seed: int = 0
+    active: object = None
+
+    def new_cache(self):
+        """A fresh ``runtime.offload_cache.NosaCache`` (a transformers Cache) for one ``generate`` call."""
+        from ..runtime.offload_cache import NosaCache
+
+        return NosaCache(self)
+
+
+def config_from_artifact(artifact) -> NosaConfig:
+    """The recommended configuration of ``methods.nosa`` (ValueError naming what is missing)."""
+    section = artifact.manifest["methods"].get("nosa")
+    if not section or "recommended" not in section:
+        raise ValueError("the artifact has no methods.nosa.recommended; run sparsesearch sweep-nosa first")
+    rec = section["recommended"]
+    cfg = NosaConfig(block=rec["block"], k=rec["k"], k_q=rec["k_q"], n_init=rec["n_init"], n_win=rec["n_win"], proxy=rec["proxy"],
+                     kernel=rec["kernel"], stride=rec["stride"])
+    if cfg.proxy not in ENGINE_PROXIES:
+        raise ValueError(f"the offload engine refreshes {', '.join(ENGINE_PROXIES)} from recent queries; proxy {cfg.proxy!r} needs the sweep's history")
+    return cfg
+
+
+def active_layer(module) -> OffloadedLayer | None:
+    """The NosaLayer of the cache in use for this attention module, or None (no engine, no NOSA cache in
+    use, or a sliding layer)."""
+    engine: NosaEngine | None = getattr(module, _ENGINE, None)
+    cache = engine.active() if engine is not None and engine.active is not None else None
+    layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
+    return layer if isinstance(layer, OffloadedLayer) else None
+
+
+def route(module, query, key, value, attention_mask, scaling, prefill_attention):
+    """Shared by every attention function that offloads decode: a decode step of a layer whose NOSA store
+    is filled runs over the slots; otherwise ``prefill_attention()`` computes the output (dense SDPA, or
+    the runtime's per-head sparse prefill) and a prefill fills the store. Returns (output, weights)."""
+    layer = active_layer(module)
+    if layer is None:
+        return prefill_attention()
+    filled = hasattr(layer, "keys_host")
+    if filled and query.shape[2] == 1:
+        return layer.decode(query), None
+    if filled:
+        raise ValueError("NOSA decode takes one token per step after the prefill; chunked decoding is not supported")
+    out = prefill_attention()
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    layer.prefill(key, value, query, _padding_starts(attention_mask, query.shape[0], key.device), scale)
+    return out
+
+
+def nosa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """AttentionInterface function: dense SDPA prefill that fills the NOSA store; decode over the slots."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def dense():
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    return route(module, query, key, value, attention_mask, scaling, dense)
+
+
+def _padding_starts(mask, batch: int, device) -> torch.Tensor:
+    """First real token of each left-padded sequence, from the prefill mask (None: no padding)."""
+    if mask is None or mask.dim() != 4:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    last_row = mask[:, 0, -1, :] if mask.dtype == torch.bool else mask[:, 0, -1, :] == 0
+    return last_row.long().argmax(-1).expand(batch)
+
+
+def attach(model, cfg: NosaConfig, *, seed: int = 0) -> NosaEngine:
+    """Give the text decoder's attention modules a NOSA engine (``engine.new_cache()`` makes its caches).
+    Registration of an attention function is the caller's (``enable_nosa``, or ``runtime.apply``)."""
+    from ..models import info_from_model
+    from .proxies import eviction_weights
+    from .sweep import global_layers
+
+    info = info_from_model(model)
+    modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")]
+    eviction = {m.layer_idx: eviction_weights(m) for m in modules if eviction_weights(m) is not None}
+    if cfg.proxy == "trained" and not eviction:
+        raise ValueError("proxy 'trained' needs a NOSA checkpoint with an eviction head; this model has none")
+    engine = NosaEngine(cfg, frozenset(global_layers(info)), info.num_layers, eviction, seed)
+    for module in modules:
+        setattr(module, _ENGINE, engine)
+    return engine
+
+
+def engine_of(model) -> NosaEngine | None:
+    return next((getattr(m, _ENGINE) for m in model.modules() if hasattr(m, _ENGINE)), None)
+
+
+def detach(model) -> None:
+    for module in model.modules():
+        if hasattr(module, _ENGINE):
+            delattr(module, _ENGINE)
+
+
+def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: int = 0) -> NosaEngine:
+    """Route the text decoder's attention through NOSA decode with the artifact's recommended configuration
+    (or ``cfg``), dense prefill. Returns the engine; ``engine.new_cache()`` is the cache for ``generate``.
+    (``sparsesearch.runtime.apply`` does the same on top of the artifact's sparse prefill.)"""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from ..models.capture import _set_text_attention
+
+    if artifact is not None:
+        from ..artifacts.io import check_fits
+        from ..models import info_from_model
+
+        check_fits(artifact.manifest, info_from_model(model))
+    engine = attach(model, cfg if cfg is not None else config_from_artifact(artifact), seed=seed)
+    AttentionInterface.register(ATTN_NAME, nosa_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if not hasattr(model, _PREVIOUS):
+        setattr(model, _PREVIOUS, model.config.get_text_config()._attn_implementation)
+    _set_text_attention(model, ATTN_NAME)
+    return engine
+
+
+def disable_nosa(model) -> None:
+    """Undo ``enable_nosa``."""
+    from ..models.capture import _set_text_attention
+
+    detach(model)
+    previous = getattr(model, _PREVIOUS, None)
+    if previous is not None:
+        _set_text_attention(model, previous)
+        delattr(model, _PREVIOUS)
