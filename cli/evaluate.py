@@ -29,7 +29,7 @@ def evaluate(
     """
     from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact
-    from sparsesearch.calibrate import evaluate_fidelity
+    from sparsesearch.fidelity import evaluate_fidelity
     from sparsesearch.models import load_model
 
     # Everything the arguments, the artifact and the model's config can tell, before the weights load.

@@ -281,6 +281,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     from .artifacts import write_artifact
     from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
+    from .fidelity import evaluate_fidelity
     from .models import capture_qkv, load_model
 
     progress = progress or Progress()
@@ -389,62 +390,3 @@ def effective_densities(manifest: dict, rows: list[dict]) -> dict[tuple[int, int
         entry = scores.get(str(layer), {}).get(kind)
         out[(layer, head)] = entry["density"][head] if kind != "none" and entry and "density" in entry else r.get("density")
     return out
-
-
-def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
-                      seed: int = 0, min_tokens: int = 1024) -> dict:
-    """Held-out sample(s): dense vs sparse runtime — next-token KL at the answer position, retrieval accuracy,
-    and each layer's attention-output error measured inside the sparse prefill (runtime audit)."""
-    from types import SimpleNamespace
-
-    import pandas as pd
-
-    from .data import held_out, retrieval_correct
-    from .runtime import apply, remove, set_modality
-    from .runtime.hf import runner_of
-
-    artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
-    device = next(model.parameters()).device
-    kls, agree, dense_ok, sparse_ok, audits = [], [], 0, 0, {}
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    for i in range(samples):
-        sample = held_out(data, tokenizer, max_tokens=tokens, seed=seed + i)
-        ids = sample.input_ids[None].to(device)
-        new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
-        pad = getattr(tokenizer, "tokenizer", tokenizer).eos_token_id  # a VLM's processor holds its tokenizer
-        gen = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                   pad_token_id=pad, attention_mask=torch.ones_like(ids),
-                   **{k: v.to(device) for k, v in sample.inputs.items()})
-        with torch.no_grad():
-            dense = model.generate(ids, **gen)
-            apply(model, artifact, min_tokens=min_tokens)
-            try:
-                runner_of(model).audit = {}
-                # Boundary heads run their region patterns on this prompt's own modality ids.
-                set_modality(model, sample.modality.to(device))
-                sparse = model.generate(ids, **gen)
-                for layer, errs in runner_of(model).audit.items():
-                    audits.setdefault(layer, []).append(errs[0])
-            finally:
-                remove(model)
-        p = torch.log_softmax(dense.logits[0][0].float(), -1)
-        q = torch.log_softmax(sparse.logits[0][0].float(), -1)
-        kls.append(float((p.exp() * (p - q)).sum()))
-        # Greedy agreement: share of generated positions before the sparse answer first departs from dense.
-        d_ids, s_ids = dense.sequences[0, ids.shape[1]:], sparse.sequences[0, ids.shape[1]:]
-        same = (d_ids[: s_ids.numel()] == s_ids[: d_ids.numel()]).int()
-        agree.append(float(same.cumprod(0).sum()) / max(1, d_ids.numel()))
-        text = lambda out: tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True)
-        if sample.answer is not None:
-            dense_ok += retrieval_correct(text(dense), sample)
-            sparse_ok += retrieval_correct(text(sparse), sample)
-    n = samples
-    densities = [d for d in effective_densities(manifest, rows).values() if d is not None]  # imported rows have none
-    return {
-        "eval_data": data, "samples": n, "tokens": int(ids.shape[1]),
-        "next_token_kl": round(sum(kls) / n, 6), "greedy_agreement": round(sum(agree) / n, 4),
-        "dense_accuracy": dense_ok / n, "sparse_accuracy": sparse_ok / n,
-        "mean_density": None if not densities else round(sum(densities) / len(densities), 4),
-        "layer_output_error": {str(k): round(sum(v) / len(v), 6) for k, v in sorted(audits.items())},
-    }

@@ -14,9 +14,11 @@ from typing import Callable
 
 import torch
 
+from .execute import HeadGroup, build_group_index
 from .index import BlockIndex, validate
 from .kernels import block_sparse_attention, triangle_attention
-from .patterns import ashape, block_topk, dense, grid, index_density, triangle, vertical_slash
+from .patterns import index_density, triangle
+from .patterns.registry import REGISTRY
 from .reference import error_floor, index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,18 +37,11 @@ class CheckRow:
 
 
 def default_cases(tokens: int) -> dict[str, object]:
-    """Parameters scaled to the length so every pattern is sparse but not empty."""
-    quarter = max(1, tokens // 4)
-    return {
-        "dense": dense.DenseParams(),
-        "ashape": ashape.AShapeParams(sink=16, local=quarter),
-        "block_topk": block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1),
-        "vertical_slash": vertical_slash.VerticalSlashParams(vertical_size=max(1, tokens // 16), slash_size=max(1, tokens // 16), last_q=16, force_vertical=4, force_slash=8),
-        "triangle": triangle.TriangleParams(sink=16, window=quarter, last=min(64, tokens)),
-        "grid": grid.GridParams(stride=max(2, tokens // 32), phase=0, use_hline=True, use_vline=True, use_slash=True, local=quarter),
-        # A permuted modality region (patterns/boundary.py): video rows x text keys of a text/video interleave.
-        "region_vertical_slash": vertical_slash.VerticalSlashParams(vertical_size=max(1, tokens // 16), slash_size=max(1, tokens // 16), last_q=16, force_vertical=4, force_slash=8),
-    }
+    """Every registered pattern with its demo parameters at this length (sparse but not empty), plus a
+    permuted modality region: video rows x text keys of a text/video interleave (patterns/boundary.py)."""
+    cases = {name: module.demo_params(tokens) for name, module in REGISTRY.items()}
+    cases["region_vertical_slash"] = REGISTRY["vertical_slash"].demo_params(tokens)
+    return cases
 
 
 def _interleave(tokens: int) -> torch.Tensor:
@@ -58,13 +53,8 @@ def _interleave(tokens: int) -> torch.Tensor:
 
 
 def _build(name: str, params, q, k, block: int) -> tuple[BlockIndex, Callable]:
-    n, kv_heads = q.shape[2], k.shape[1]
-    static = dict(heads=kv_heads, block_m=block, block_n=block, head_space="kv", device=q.device)
-    if name in ("vertical_slash", "block_topk"):
-        module = vertical_slash if name == "vertical_slash" else block_topk
-        return module.build_index(params, q, k, head_space="kv", block_m=block, block_n=block), block_sparse_attention
-    module = {"dense": dense, "ashape": ashape, "triangle": triangle, "grid": grid}[name]
-    index = module.build_index(params, n, **static)
+    """The index through the executor (every KV head, kv space) and the Triton launch that runs it."""
+    index = build_group_index(HeadGroup(name, params, tuple(range(k.shape[1])), block, block), q, k, "kv")
     if name == "triangle":
         return index, lambda q_, k_, v_, i_: triangle_attention(q_, k_, v_, i_, params.last)
     return index, block_sparse_attention
@@ -140,7 +130,7 @@ def _region_case(params, q, k, v, block: int, device: str):
     qs, ks, vs = region.gather(q, k, v)
     row_pos = region.row_pos.to(q.device)
     start = time.perf_counter()
-    index = vertical_slash.build_index(params, qs, ks, head_space="kv", block_m=block, block_n=block, row_pos=row_pos)
+    index = build_group_index(HeadGroup("vertical_slash", params, tuple(range(k.shape[1])), block, block), qs, ks, "kv", row_pos)
     index_ms = 1e3 * (time.perf_counter() - start)
     start = time.perf_counter()
     out, _ = block_sparse_attention(qs, ks, vs, index, row_pos=row_pos)

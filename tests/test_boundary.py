@@ -16,8 +16,9 @@ from sparsesearch.index import to_block_masks
 from sparsesearch.patterns import ashape, block_topk, boundary, dense, vertical_slash
 from sparsesearch.patterns._common import index_entries, last_q_sums, region_causal_entries
 from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, relative_error
-from sparsesearch.runtime.plan import HeadGroup, LayerPlan, Plan
-from sparsesearch.runtime.run import Runner, build_group_index, sparse_attend
+from sparsesearch.execute import HeadGroup, build_group_index, sparse_attend
+from sparsesearch.runtime.plan import LayerPlan, Plan
+from sparsesearch.runtime.run import Runner
 from sparsesearch.search.boundary import choose_boundary, run_picks, search_modal_layer
 from sparsesearch.search.cost import AnalyticCost
 from sparsesearch.search.layer import choose

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from conftest import DEVICE
 from indices import dense_causal_index, random_index
 from sparsesearch.index import BlockIndex, stack, validate
-from sparsesearch.kernels import block_sparse_attention, merge_partials, merge_two, tail_attention, triangle_attention
+from sparsesearch.kernels import block_sparse_attention, tail_attention, triangle_attention
+from sparsesearch.merge import merge_partials, merge_two
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
 from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 

@@ -47,7 +47,7 @@ def test_probe_writes_sections_and_start_layer(tiny, tmp_path):
 
 def test_probe_composes_with_per_head_patterns_and_runs(tiny, tmp_path):
     from sparsesearch.calibrate import CalibrateConfig, calibrate
-    from sparsesearch.runtime import load_model
+    from sparsesearch.runtime import load_sparse_model
 
     space = {"name": "s", "format": 1, "reference_tokens": 1024, "block_m": 32, "block_n": 32,
              "target": {"pattern": "ashape", "params": {"sink": 64, "local": 256}},
@@ -60,7 +60,7 @@ def test_probe_composes_with_per_head_patterns_and_runs(tiny, tmp_path):
     assert (tmp_path / "art" / "heads.parquet").read_bytes() == heads_before, "per-head patterns are kept"
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["methods"]["mminference"] is not None and manifest["methods"]["trianglemix"]["start_layer"] == outcome.start_layer
-    model, tok, info, plan = load_model(tiny, artifact=tmp_path / "art", min_tokens=64)
+    model, tok, info, plan = load_sparse_model(tiny, artifact=tmp_path / "art", min_tokens=64)
     kinds = plan.summary()
     assert kinds.get("triangle", 0) == 4 - outcome.start_layer
     ids = torch.randint(0, 1000, (1, 300))

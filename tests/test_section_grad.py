@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from sparsesearch.kernels.section_grad import section_sums, section_sums_auto
-from sparsesearch.probe.sections import LAST, MIDDLE, STREAM, SectionSpec, SectionSums, section_counts, section_of, section_sums_torch
+from sparsesearch.probe.sections import (
+    LAST, MIDDLE, STREAM, SectionSpec, SectionSums, section_counts, section_of, section_sums, section_sums_auto, section_sums_torch,
+)
 from sparsesearch.reference import masked_attention
 
 

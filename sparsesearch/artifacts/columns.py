@@ -1,8 +1,8 @@
 """Column contract of heads.parquet (artifact v1), shared by the writer, the runtime and the exporters.
 
 One row per (layer, head[, q_modality, k_modality]). A row's pattern parameters live in typed, nullable
-columns named after the fields of the pattern's params dataclass (sparsesearch.patterns.PARAMS); columns
-a pattern does not use are null. ``params_from_row`` / ``row_from_params`` convert both ways.
+columns named after the fields of the pattern's params dataclass (``Params`` in patterns/registry.py);
+columns a pattern does not use are null. ``params_from_row`` / ``row_from_params`` convert both ways.
 
 Modality regions (patterns/boundary.py): (all, all) is the global pattern every head has; (a, a) intra,
 (a, b) cross, (a, all) the rows of a (Q-boundary), (all, b) the keys of b (K-boundary). ``boundary`` is the
@@ -18,18 +18,28 @@ import pyarrow as pa
 
 from sparsesearch.patterns.boundary import ALL as ALL_MODALITIES  # every token: text-only and global rows
 from sparsesearch.patterns.boundary import BOUNDARIES as BOUNDARIES  # re-exported: the schema lists them
+from sparsesearch.patterns.registry import PARAMS, pattern
+
 # A row's identity: at most one row per key, and the order rows are stored in.
 HEADS_KEY = ("layer", "head", "q_modality", "k_modality")
 
-# Parameter columns: every field of every pattern's params dataclass, with its arrow type.
-PARAM_COLUMNS: dict[str, pa.DataType] = {
-    "sink": pa.int32(), "local": pa.int32(), "window": pa.int32(), "last": pa.int32(),
-    "vertical_size": pa.int32(), "slash_size": pa.int32(), "last_q": pa.int32(),
-    "force_vertical": pa.int32(), "force_slash": pa.int32(),
-    "k_blocks": pa.int32(), "sink_blocks": pa.int32(),
-    "stride": pa.int32(), "phase": pa.int32(),
-    "use_hline": pa.bool_(), "use_vline": pa.bool_(), "use_slash": pa.bool_(),
-}
+# Arrow type of a params field by its annotation (dataclass fields are annotated int or bool).
+ARROW_TYPES = {"int": pa.int32(), "bool": pa.bool_()}
+
+
+def _param_columns() -> dict[str, pa.DataType]:
+    """Every field of every registered pattern's params dataclass, with its arrow type, in registry order
+    (first appearance): the file layout of heads.parquet, pinned by tests/test_artifacts.py."""
+    columns: dict[str, pa.DataType] = {}
+    for name, cls in PARAMS.items():
+        for f in fields(cls):
+            typ = ARROW_TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
+            if typ is None or columns.setdefault(f.name, typ) != typ:
+                raise TypeError(f"{name} params field {f.name}: type {f.type!r} has no column type or differs from another pattern's")
+    return columns
+
+
+PARAM_COLUMNS: dict[str, pa.DataType] = _param_columns()
 
 HEADS_SCHEMA = pa.schema(
     [
@@ -59,12 +69,7 @@ def is_global(row: dict) -> bool:
 
 def params_from_row(row: dict):
     """The params dataclass instance a heads row describes (validated by the dataclass)."""
-    from sparsesearch.patterns import PARAMS
-
-    pattern = row["pattern"]
-    if pattern not in PARAMS:
-        raise ValueError(f"unknown pattern {pattern!r} (known: {sorted(PARAMS)})")
-    cls = PARAMS[pattern]
+    cls = pattern(row["pattern"]).Params
     values = {}
     for f in fields(cls):
         value = row.get(f.name)

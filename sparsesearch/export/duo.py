@@ -1,7 +1,8 @@
 """DuoAttention-style head table: which KV heads keep full attention and which can stream.
 
 Output: tab-separated text, one line per layer, one column per KV head: ``1`` = dense / retrieval head
-(full KV cache), ``0`` = streaming head (attention sinks + recent window, i.e. our ashape or triangle).
+(full KV cache), ``0`` = streaming head (attention sinks + recent window: the patterns whose registry fact
+STREAMING is set, ashape and triangle).
 DuoAttention decides per KV head, so a KV head is 0 only when every row that applies to it streams:
 every query head of its GQA group (query-space artifacts) and every modality pair. Any other pattern
 (vertical_slash, block_topk, grid, dense) counts as 1. Rows are read as the runtime reads them: every
@@ -15,9 +16,8 @@ from pathlib import Path
 
 from ..artifacts.io import Artifact
 from ..artifacts.tables import to_query_heads
+from ..patterns.registry import REGISTRY
 from ._common import effective_rows, write_file_atomic
-
-STREAMING = ("ashape", "triangle")
 
 
 def export_duo(artifact: Artifact) -> list[list[int]]:
@@ -29,7 +29,7 @@ def export_duo(artifact: Artifact) -> list[list[int]]:
     streams: dict[tuple[int, int], bool] = {}
     for row in to_query_heads([*text.values(), *pairs], artifact.manifest):
         key = (row["layer"], row["head"])
-        streams[key] = streams.get(key, True) and row["pattern"] in STREAMING
+        streams[key] = streams.get(key, True) and REGISTRY[row["pattern"]].STREAMING
     return [
         [0 if all(streams[(layer, kv * group + g)] for g in range(group)) else 1 for kv in range(kv_heads)]
         for layer in range(layers)

@@ -60,12 +60,13 @@ import torch.nn.functional as F
 
 from ..artifacts.columns import PARAM_COLUMNS, params_from_row
 from ..artifacts.io import Artifact
+from ..execute import HeadGroup, build_group_index, static_index
 from ..index import BLOCK_SIZES, BlockIndex, num_blocks, pack_lists, to_block_masks
 from ..patterns._common import query_block_bounds
+from ..patterns.registry import REGISTRY
 from ._common import effective_rows, write_file_atomic
 
 FORMAT = "sparsesearch-flex"
-DYNAMIC = ("vertical_slash", "block_topk")
 FULL, PARTIAL, COLUMN = 1, 2, 3
 
 
@@ -122,26 +123,19 @@ def _column_blocks(
     return out[..., :kv_blocks], keep.sum(-1, dtype=torch.int32)
 
 
-def _head_index(row: dict, q, k, head: int, space: str, group: int, geometry: tuple) -> BlockIndex:
-    """The head's index exactly as the runtime builds it: the row's pattern, params and block sizes."""
-    from sparsesearch.patterns import REGISTRY
-
+def _head_index(row: dict, q, k, head: int, space: str, geometry: tuple) -> BlockIndex:
+    """The head's index exactly as the runtime builds it (execute.py): the row's pattern, params and block
+    sizes; a static pattern's for batch 1 (it is the same for every batch row)."""
     q_len, kv_len, device = geometry
-    module = REGISTRY[row["pattern"]]
-    params = params_from_row(row)
-    bm, bn = row["block_m"], row["block_n"]
-    if row["pattern"] in DYNAMIC:
-        if q is None:
-            raise ValueError(
-                f"layer {row['layer']} head {head} uses {row['pattern']}, which is estimated from Q and K: "
-                "give q and k (CLI: --qk FILE)"
-            )
-        if space == "query":
-            q_part, k_part = q[:, head: head + 1], k[:, head // group: head // group + 1]
-        else:
-            q_part, k_part = q[:, head * group: (head + 1) * group], k[:, head: head + 1]
-        return module.build_index(params, q_part, k_part, head_space=space, block_m=bm, block_n=bn)
-    return module.build_index(params, q_len, kv_len, batch=1, heads=1, block_m=bm, block_n=bn, device=device)
+    g = HeadGroup(row["pattern"], params_from_row(row), (head,), row["block_m"], row["block_n"])
+    if not REGISTRY[g.pattern].DYNAMIC:
+        return static_index(g, q_len, kv_len, space, device)
+    if q is None:
+        raise ValueError(
+            f"layer {row['layer']} head {head} uses {row['pattern']}, which is estimated from Q and K: "
+            "give q and k (CLI: --qk FILE)"
+        )
+    return build_group_index(g, q, k, space)
 
 
 def _upsample(mask: torch.Tensor, rq: int, rk: int, q_blocks: int, kv_blocks: int) -> torch.Tensor:
@@ -216,10 +210,10 @@ def flex_tensors(
     for head, row in enumerate(rows):
         targets = [head] if space == "query" else list(range(head * group, (head + 1) * group))
         # Static patterns depend only on their params and blocks: heads with equal rows share one build.
-        signature = None if row["pattern"] in DYNAMIC else (row["pattern"], row["block_m"], row["block_n"], *(row[c] for c in PARAM_COLUMNS))
+        signature = None if REGISTRY[row["pattern"]].DYNAMIC else (row["pattern"], row["block_m"], row["block_n"], *(row[c] for c in PARAM_COLUMNS))
         built = shared.get(signature) if signature is not None else None
         if built is None:
-            index = _head_index(row, q, k, head, space, group, (q_len, kv_len, device))
+            index = _head_index(row, q, k, head, space, (q_len, kv_len, device))
             built = _pack_head(index, row, q_len, kv_len, cq, ck)
             if signature is not None:
                 shared[signature] = built

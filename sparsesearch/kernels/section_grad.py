@@ -8,7 +8,11 @@ writes its 3 x 3 partials (quantity grad/|grad|/prob x section) to [B, Hq, QB, 3
 over QB in float64 — no atomics. K and V are read through the query head's KV head (GQA), never repeated.
 
 Layout: dense q, do [B, Hq, N, D]; k, v [B, Hkv, N, D] (prefill, N queries = N keys); any strides with
-a contiguous last dim; lse [B, Hq, N] natural log. Sections: ``sparsesearch.probe.sections``.
+a contiguous last dim; lse [B, Hq, N] natural log.
+
+Sections, by plain ints (0-based query row i, key j <= i): LAST = rows i >= N - last; of the other rows,
+STREAM = keys j < sink or i - j < window, MIDDLE = the rest. The probe (sparsesearch/probe/sections.py)
+names them, counts their entries and holds the torch twin this kernel is tested against.
 """
 
 from __future__ import annotations
@@ -20,8 +24,34 @@ import triton
 import triton.language as tl
 
 from ..index import num_blocks
-from ..probe.sections import SectionSpec, SectionSums, check_section_inputs, section_counts, section_sums_torch
 from ._common import LOG2E, block_d, check_qkv, dot_f32, interpreting, load_kv_tile
+
+
+def check_section_inputs(q, k, v, do, lse) -> None:
+    """Raise ValueError for inputs no section-sum path takes (dtypes beyond float are the caller's rule)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a [B, H, N, D] tensor, got {getattr(t, 'shape', type(t))}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} dtype must be floating, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty: shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, length (prefill) and head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if do.shape != q.shape:
+        raise ValueError(f"do must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must be [B, Hq, N] = {tuple(q.shape[:3])}, got {getattr(lse, 'shape', type(lse))}")
+    if not lse.is_floating_point() or lse.device != q.device:
+        raise ValueError(f"lse must be a floating tensor on {q.device}, got {lse.dtype} on {lse.device}")
+    if not bool(torch.isfinite(lse).all()):
+        raise ValueError("lse has non-finite entries; pass the natural-log lse of a dense causal pass")
 
 
 @triton.jit
@@ -169,40 +199,44 @@ def _launch_config(head_dim: int, f32: bool) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
 
 
-def section_sums(
+def section_grad_sums(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     do: torch.Tensor,
     lse: torch.Tensor,
-    spec: SectionSpec,
+    sink: int,
+    window: int,
+    last: int,
     *,
     scale: float | None = None,
     config: dict | None = None,
-) -> SectionSums:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per (batch, query head) section sums of ∂y/∂θ = P·(dO·V), |∂y/∂θ| and P (Triton).
 
     q, do [B, Hq, N, D]; k, v [B, Hkv, N, D] (fp16/bf16/fp32, q/k/v one dtype, do any of the three);
-    lse [B, Hq, N] natural log of the dense causal pass (any float dtype, read as fp32).
-    Returns SectionSums: float64 [B, Hq, 3] sums (STREAM, MIDDLE, LAST), int64 [3] counts.
-    Sums are accumulated in fp32 per program and reduced in float64. fp32 dot operands use 3-pass TF32
-    on the GPU (about fp32 accuracy); an fp32 dO next to half-precision q/k/v therefore runs several
-    times slower than a dO in the model's dtype. config: BLOCK_M, BLOCK_N, num_warps, num_stages overrides.
+    lse [B, Hq, N] natural log of the dense causal pass (any float dtype, read as fp32); sink >= 0,
+    window >= 1, last >= 1 place the sections (module docstring). Returns (grad, abs_grad, prob), each
+    float64 [B, Hq, 3] over (STREAM, MIDDLE, LAST). Sums are accumulated in fp32 per program and reduced
+    in float64. fp32 dot operands use 3-pass TF32 on the GPU (about fp32 accuracy); an fp32 dO next to
+    half-precision q/k/v therefore runs several times slower than a dO in the model's dtype.
+    config: BLOCK_M, BLOCK_N, num_warps, num_stages overrides.
     """
     check_section_inputs(q, k, v, do, lse)
     check_qkv(q, k, v, varlen=False)
     if do.dtype not in (torch.float16, torch.bfloat16, torch.float32) or do.stride(-1) != 1:
         raise ValueError(f"do must be float16/bfloat16/float32 with a contiguous head_dim, got {do.dtype}, stride {do.stride(-1)}")
-    if not isinstance(spec, SectionSpec):
-        raise ValueError(f"spec must be a SectionSpec, got {type(spec).__name__}")
+    for name, value, low in (("sink", sink, 0), ("window", window, 1), ("last", last, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     batch, q_heads, n, dim = q.shape
     kv_heads = k.shape[1]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     cfg = dict(_launch_config(dim, torch.float32 in (q.dtype, do.dtype)), **(config or {}))
     q_blocks = num_blocks(n, cfg["BLOCK_M"])
     part = torch.zeros(batch, q_heads, q_blocks, 3, 3, dtype=torch.float32, device=q.device)
-    # Clamp the spec into int32 range: only comparisons against 0 <= i, j < n matter.
-    sink, window, last_start = min(spec.sink, n), min(spec.window, n + 1), max(n - spec.last, 0)
+    # Clamp the sections into int32 range: only comparisons against 0 <= i, j < n matter.
+    sink, window, last_start = min(sink, n), min(window, n + 1), max(n - last, 0)
     # fp32 operands (fp32 inputs, or an fp32 dO) take 3-pass TF32: plain TF32 costs ~1e-3 relative error,
     # IEEE fp32 gives up the tensor cores. Half-precision operands ignore it (the interpreter does too).
     g_f32 = dot_f32(q.dtype) or do.dtype != v.dtype
@@ -218,20 +252,4 @@ def section_sums(
         **cfg,
     )
     sums = part.double().sum(2)  # [B, Hq, 3 quantities, 3 sections]
-    return SectionSums(sums[:, :, 0].contiguous(), sums[:, :, 1].contiguous(), sums[:, :, 2].contiguous(), section_counts(n, spec).to(q.device))
-
-
-def section_sums_auto(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    spec: SectionSpec,
-    *,
-    scale: float | None = None,
-) -> SectionSums:
-    """Triton on CUDA tensors, torch (``section_sums_torch``) elsewhere; same arguments and result."""
-    if q.is_cuda:
-        return section_sums(q, k, v, do, lse, spec, scale=scale)
-    return section_sums_torch(q, k, v, do, lse, spec, scale=scale)
+    return sums[:, :, 0].contiguous(), sums[:, :, 1].contiguous(), sums[:, :, 2].contiguous()

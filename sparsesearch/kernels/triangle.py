@@ -3,7 +3,7 @@
 Rows before the last ``last`` rows attend the streaming part (sink + local window): that is the
 block-sparse kernel over an index built by ``patterns.triangle``. The last rows attend every causal key;
 they are few (128 by default) but see the whole context, so a split-K kernel spreads their keys over many
-programs and the partials are merged by log-sum-exp (kernels.merge). The streaming result for those rows
+programs and the partials are merged by log-sum-exp (sparsesearch/merge.py). The streaming result for those rows
 is overwritten.
 
 Layouts and outputs as in ``block_sparse_attention``.
@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex
+from ..merge import merge_partials
 from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpreting, load_kv_tile, online_update
 from .block_sparse import block_sparse_attention
-from .merge import merge_partials
 
 DEFAULT_SMS = 132  # H100 SXM; used to size the split when no CUDA device is visible
 

@@ -39,6 +39,19 @@ class AShapeParams:
         check_int("local", self.local, 1)
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = AShapeParams
+DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len, ...)
+REGION = True  # build_index takes a permuted region frame (row_pos)
+STREAMING = True  # attention sinks + a recent window only (a DuoAttention streaming head)
+COLOR = "#1f77b4"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> AShapeParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    return AShapeParams(sink=16, local=max(1, tokens // 4))
+
+
 def predicate(params: AShapeParams):
     """mask_mod-style predicate over absolute positions."""
     sink, local = params.sink, params.local

@@ -44,6 +44,19 @@ class BlockTopKParams:
         check_int("sink_blocks", self.sink_blocks, 0)
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = BlockTopKParams
+DYNAMIC = True  # index estimated from q/k at run time: build_index(params, q, k, ...)
+REGION = True  # build_index takes a permuted region frame (row_pos)
+STREAMING = False  # keeps keys beyond sinks + a recent window
+COLOR = "#2ca02c"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> BlockTopKParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    return BlockTopKParams(k_blocks=2, sink_blocks=1)
+
+
 @dataclass(frozen=True)
 class BlockSelection:
     """Selected key blocks: bool [B, H, QB, KB] (block level) and the geometry it was made for."""

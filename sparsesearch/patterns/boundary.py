@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..merge import merge_two
 from ._common import causal_entries, region_causal_entries
 
 BOUNDARIES = ("none", "k", "q", "2d")
@@ -126,8 +127,6 @@ def compose(parts: list[tuple[Region, torch.Tensor, torch.Tensor]], n: int) -> t
     by the regions that share its query set. Returns fp32 (out [B, H, n, D], lse [B, H, n]); a row no region
     admits anything for gets (0, -inf).
     """
-    from ..kernels.merge import merge_two
-
     first = parts[0][1]
     batch, heads, _, dim = first.shape
     out = torch.zeros(batch, heads, n, dim, dtype=torch.float32, device=first.device)

@@ -25,6 +25,19 @@ class DenseParams:
     """Dense causal attention has no parameters."""
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = DenseParams
+DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len, ...)
+REGION = True  # build_index takes a permuted region frame (row_pos)
+STREAMING = False  # keeps keys beyond sinks + a recent window
+COLOR = "#4d4d4d"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> DenseParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    return DenseParams()
+
+
 def predicate(params: DenseParams | None = None):
     """mask_mod-style predicate over absolute positions: ``kv_idx <= q_pos``."""
 

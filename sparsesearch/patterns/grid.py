@@ -54,6 +54,21 @@ class GridParams:
         check_int("local", self.local, 1)
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = GridParams
+# Static: an estimated stride/phase (Alg. 1) is found at search time (search/layer.py) and stored in the
+# params, so the runtime builds the index from the shape alone and pays no estimate.
+DYNAMIC = False
+REGION = False  # no region form: intra-modality (identity frame) only
+STREAMING = False  # keeps keys beyond sinks + a recent window
+COLOR = "#9467bd"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> GridParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    return GridParams(stride=max(2, tokens // 32), phase=0, use_hline=True, use_vline=True, use_slash=True, local=max(1, tokens // 4))
+
+
 def predicate(params: GridParams):
     """mask_mod-style predicate over absolute positions."""
     p = params

@@ -50,6 +50,19 @@ class TriangleParams:
         check_int("last", self.last, 1)
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = TriangleParams
+DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len, ...)
+REGION = False  # no region form: intra-modality (identity frame) only
+STREAMING = True  # attention sinks + a recent window only (a DuoAttention streaming head)
+COLOR = "#8c564b"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> TriangleParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    return TriangleParams(sink=16, window=max(1, tokens // 4), last=min(64, tokens))
+
+
 def split_row(params: TriangleParams, q_len: int) -> int:
     """First query row (0-based, within the q_len queries) of the dense last section."""
     check_int("q_len", q_len, 1)

@@ -56,6 +56,20 @@ class VerticalSlashParams:
         check_int("force_slash", self.force_slash, 0)
 
 
+# Registry facts (patterns/registry.py): what every consumer reads instead of keeping its own list.
+Params = VerticalSlashParams
+DYNAMIC = True  # index estimated from q/k at run time: build_index(params, q, k, ...)
+REGION = True  # build_index takes a permuted region frame (row_pos)
+STREAMING = False  # keeps keys beyond sinks + a recent window
+COLOR = "#ff7f0e"  # heads map (report/heads_map.py)
+
+
+def demo_params(tokens: int) -> VerticalSlashParams:
+    """Parameters scaled to a length so the pattern is sparse but not empty (``sparsesearch check``)."""
+    lines = max(1, tokens // 16)
+    return VerticalSlashParams(vertical_size=lines, slash_size=lines, last_q=16, force_vertical=4, force_slash=8)
+
+
 @dataclass(frozen=True)
 class VSLines:
     """Selected lines: vertical key ids and slash offsets (pos - j), int64 [B, H, V] and [B, H, S], ascending."""

@@ -5,7 +5,7 @@ come before its first content token; y_gt is the logit of that first content tok
 autograd through a registered attention function keeps each layer's post-RoPE Q, K, V and a hook on its
 attention output collects dO = ∂y/∂O. With θ = 1 multiplying the probabilities, ∂y/∂θ_ij = P_ij (dO_i·V_j),
 so each layer's section sums (Streaming, Middle, Last) are reduced blockwise from Q, K, V, dO and the
-lse — O(N) memory, no θ tensor and no n x n matrix (probe.sections / kernels.section_grad).
+lse — O(N) memory, no θ tensor and no n x n matrix (probe.sections over kernels.section_grad).
 
 Recorded per (layer, head, section), as mean and standard error over samples: the signed Grad (the
 paper's quantity), mean |∂y/∂θ|, and Att (mean probability). On small models the signed Middle Grad flips
@@ -78,8 +78,8 @@ def probe_input(sample) -> tuple[torch.Tensor, int]:
 
 def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict[str, torch.Tensor]:
     """One sample: section sums per layer. Returns grad/abs/att means, float64 [L, H, 3]."""
-    from ..kernels.section_grad import section_sums_auto
     from ..models.capture import attention_capture, attention_lse
+    from .sections import section_sums_auto
 
     layers: dict[int, dict] = {}
 

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 from typing import Callable
 
 import pandas as pd
-import torch
 
 from .probe import SECTIONS, ProbeResult, ProbeSettings, StartRule, aggregate, probe_input, probe_sample
 
@@ -139,37 +138,21 @@ def _triangle_manifest(info, start: int | None, base, extra: dict | None = None)
 
 def validate_starts(model, tokenizer, info, cfg: ProbeConfig, base) -> list[dict]:
     """Sweep L_tri_start (every `validate_step` layers, plus 'none'): retrieval accuracy and next-token KL
-    of triangle attention (inference defaults) from layer L on, vs the artifact without it."""
-    from ..data import held_out, retrieval_correct
-    from ..runtime import apply, remove
+    of triangle attention (inference defaults) from layer L on, vs the artifact without it (the model's
+    own attention when there is no artifact), which runs once (sparsesearch/fidelity.py)."""
+    from ..data import held_out
+    from ..fidelity import accuracy, generations, mean_kl
 
     heads = base.heads if base is not None else pd.DataFrame(columns=["layer"])
-    device = next(model.parameters()).device
     samples = [held_out(cfg.eval_data, tokenizer, max_tokens=cfg.settings.tokens, seed=cfg.settings.seed + 1000 + i) for i in range(cfg.eval_samples)]
-
-    def run(start):
-        art = SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
-        correct, logits = 0, []
-        if start is not None or base is not None:
-            apply(model, art, min_tokens=64)
-        try:
-            for sample in samples:
-                ids = sample.input_ids[None].to(device)
-                with torch.no_grad():
-                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=int(sample.answer_ids.numel()) + 2,
-                                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id)
-                logits.append(torch.log_softmax(out.logits[0][0].float(), -1))
-                correct += retrieval_correct(tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True), sample)
-        finally:
-            remove(model)
-        return correct / len(samples), logits
-
-    dense_acc, dense_logits = run(None)
-    rows = [{"start_layer": None, "accuracy": dense_acc, "kl": 0.0}]
+    if any(s.answer is None for s in samples):
+        raise ValueError(f"--validate needs retrieval prompts with answers (synthetic:kv-retrieval or synthetic:passkey), got {cfg.eval_data!r}")
+    artifact = lambda start: SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
+    reference = generations(model, tokenizer, samples, artifact(None) if base is not None else None, min_tokens=64)
+    rows = [{"start_layer": None, "accuracy": accuracy(reference), "kl": 0.0}]
     for start in range(0, info.num_layers, cfg.validate_step):
-        acc, logits = run(start)
-        kl = sum(float((p.exp() * (p - q)).sum()) for p, q in zip(dense_logits, logits)) / len(logits)
-        rows.append({"start_layer": start, "accuracy": acc, "kl": round(kl, 6)})
+        tri = generations(model, tokenizer, samples, artifact(start), min_tokens=64)
+        rows.append({"start_layer": start, "accuracy": accuracy(tri), "kl": round(mean_kl(reference, tri), 6)})
     return rows
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.section_grad import check_section_inputs, section_grad_sums
+
 STREAM, MIDDLE, LAST = 0, 1, 2
 SECTIONS = ("stream", "middle", "last")
 
@@ -108,33 +110,6 @@ def section_counts(n: int, spec: SectionSpec) -> torch.Tensor:
     ]).to(torch.int64)
 
 
-def check_section_inputs(q, k, v, do, lse) -> None:
-    """Raise ValueError for inputs no section-sum path takes (dtypes beyond float are the caller's rule)."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a [B, H, N, D] tensor, got {getattr(t, 'shape', type(t))}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} dtype must be floating, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-        if t.numel() == 0:
-            raise ValueError(f"{name} is empty: shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, length (prefill) and head_dim")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
-    if do.shape != q.shape:
-        raise ValueError(f"do must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]):
-        raise ValueError(f"lse must be [B, Hq, N] = {tuple(q.shape[:3])}, got {getattr(lse, 'shape', type(lse))}")
-    if not lse.is_floating_point() or lse.device != q.device:
-        raise ValueError(f"lse must be a floating tensor on {q.device}, got {lse.dtype} on {lse.device}")
-    if not bool(torch.isfinite(lse).all()):
-        raise ValueError("lse has non-finite entries; pass the natural-log lse of a dense causal pass")
-
-
 def section_sums_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -183,3 +158,38 @@ def section_sums_torch(
                 sums[slot, ..., s] += (t * mask).sum(-1).double().sum(-1)
     grad, absg, prob = (s.reshape(batch, q_heads, 3) for s in sums)
     return SectionSums(grad, absg, prob, section_counts(n, spec).to(q.device))
+
+
+def section_sums(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    spec: SectionSpec,
+    *,
+    scale: float | None = None,
+    config: dict | None = None,
+) -> SectionSums:
+    """``section_sums_torch`` by the Triton kernel (kernels/section_grad.py), same arguments and result;
+    config: the kernel's BLOCK_M, BLOCK_N, num_warps, num_stages overrides."""
+    if not isinstance(spec, SectionSpec):
+        raise ValueError(f"spec must be a SectionSpec, got {type(spec).__name__}")
+    sums = section_grad_sums(q, k, v, do, lse, spec.sink, spec.window, spec.last, scale=scale, config=config)
+    return SectionSums(*sums, section_counts(q.shape[2], spec).to(q.device))
+
+
+def section_sums_auto(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    spec: SectionSpec,
+    *,
+    scale: float | None = None,
+) -> SectionSums:
+    """Triton (``section_sums``) on CUDA tensors, torch (``section_sums_torch``) elsewhere; same arguments and result."""
+    if q.is_cuda:
+        return section_sums(q, k, v, do, lse, spec, scale=scale)
+    return section_sums_torch(q, k, v, do, lse, spec, scale=scale)

@@ -6,12 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..artifacts.columns import is_global
+from ..patterns.registry import REGISTRY
 from . import save_png
 
-PATTERN_COLORS = {
-    "dense": "#4d4d4d", "ashape": "#1f77b4", "vertical_slash": "#ff7f0e", "block_topk": "#2ca02c",
-    "grid": "#9467bd", "triangle": "#8c564b",
-}
+PATTERN_COLORS = {name: module.COLOR for name, module in REGISTRY.items()}
 
 
 def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = None) -> Path:

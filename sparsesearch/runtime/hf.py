@@ -1,4 +1,4 @@
-"""transformers integration: the registered attention function, apply / remove, load_model.
+"""transformers integration: the registered attention function, apply / remove, load_sparse_model.
 
 Registration goes through ``AttentionInterface.register`` and ``AttentionMaskInterface.register`` (no
 module is patched): the mask function is transformers' own ``sdpa_mask``, so ``attention_mask`` is None
@@ -169,13 +169,14 @@ def runner_of(model) -> Runner | None:
     return None
 
 
-def load_model(spec: str, *, artifact=None, min_tokens: int = DEFAULT_MIN_TOKENS, **kwargs):
+def load_sparse_model(spec: str, *, artifact=None, min_tokens: int = DEFAULT_MIN_TOKENS, **kwargs):
     """``sparsesearch.models.load_model`` plus, when ``artifact`` (a path) is given, its validation against
-    the model and ``apply``. Returns (model, tokenizer, info, plan or None)."""
+    the model and ``apply``. Returns (model, tokenizer, info, plan or None): one more item than
+    ``models.load_model``, hence its own name."""
     from ..artifacts import load_artifact
-    from ..models import load_model as load
+    from ..models import load_model
 
-    model, tokenizer, info = load(spec, **kwargs)
+    model, tokenizer, info = load_model(spec, **kwargs)
     if artifact is None:
         return model, tokenizer, info, None
     loaded = load_artifact(artifact, model_info=info)

@@ -11,21 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..artifacts.columns import is_global, params_from_row
+from ..execute import HeadGroup
 from ..patterns.boundary import scope_name
 from ..models.info import ModelInfo
 
 DEFAULT_MIN_TOKENS = 1024  # below this, sparse attention does not pay for its index; SDPA runs
-
-
-@dataclass(frozen=True)
-class HeadGroup:
-    """Heads (ids in the plan's head space) sharing one pattern + params + block shape."""
-
-    pattern: str
-    params: object
-    heads: tuple[int, ...]
-    block_m: int
-    block_n: int
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute import HeadGroup, run_region
 from ..patterns import boundary as bd
 from ..patterns._common import causal_entries
-from ..runtime.plan import HeadGroup
-from ..runtime.run import run_region
 from .cost import CostModel
 from .layer import Scored, Timings, _sync, choose, output_error, score_layer, space_reference
 from .space import SearchSpace
@@ -73,7 +72,7 @@ def search_scope(
 def run_picks(q, k, v, region: bd.Region, picks: list[tuple[Scored, int]], head_space: str, block_m: int, block_n: int,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The region's attention with each head's chosen candidate: heads sharing (pattern, params) run as one
-    group (runtime.run.run_region). Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r]."""
+    group (execute.run_region). Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r]."""
     groups: dict[tuple, list[int]] = {}
     for scored, head in picks:
         groups.setdefault((scored.candidate.pattern, scored.params[head]), []).append(head)

@@ -22,9 +22,12 @@ from typing import Callable, Protocol
 import torch
 
 from ..patterns._common import causal_entries
+from ..patterns.registry import REGISTRY
 
 NOMINAL_FLOPS = 400e12  # a Hopper-class GPU at the kernel efficiency benchmarks/RESULTS.md measures
-DYNAMIC = ("vertical_slash", "block_topk", "grid")
+# Patterns whose runtime index is estimated per call (grid is not: an estimated stride is a search-time
+# cost, stored in the params; the registry's DYNAMIC fact).
+DYNAMIC = tuple(name for name, module in REGISTRY.items() if module.DYNAMIC)
 ESTIMATE_ROWS = 64
 
 

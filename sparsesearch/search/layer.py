@@ -3,8 +3,8 @@
 For one layer's post-RoPE q [1, Hq, N, D], k/v [1, Hkv, N, D] of a calibration sample:
 1. the dense output and lse come from the same kernels with an all-causal index (no n x n matrix);
 2. every candidate of the search space is resolved at length N, its index built for all heads at once
-   (one build, one launch — the runtime's own code path) and scored per head: relative L2 error of the
-   attention output (this is where V enters) and the attention mass kept, exp(lse_sparse − lse_dense);
+   (one build, one launch through sparsesearch/execute.py, the runtime's own path) and scored per head:
+   relative L2 error of the attention output (this is where V enters) and the attention mass kept, exp(lse_sparse − lse_dense);
 3. each candidate's cost per head comes from the cost model (measured kernel time on a GPU, an analytic
    FLOP model on a CPU); candidates above the target's cost x (1 + slack) are pruned;
 4. each head takes the admissible candidate with the best objective.
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..execute import HeadGroup, build_group_index, sparse_attend
 from ..index import BlockIndex
-from ..patterns import dense, grid, index_entries
+from ..patterns import grid, index_entries
 from ..patterns._common import causal_entries, region_causal_entries
-from ..runtime.plan import HeadGroup
-from ..runtime.run import build_group_index, sparse_attend
+from ..patterns.dense import DenseParams
+from ..patterns.registry import REGISTRY
 from .cost import CostModel, analytic_ms
 from .space import Candidate, SearchSpace
 
@@ -78,26 +79,19 @@ def dense_reference(q, k, v, space: str, block: int, scale: float, row_pos: torc
     all-causal index; on a CPU through torch's own flash kernel (which also returns lse, ~5x faster here
     than the index-driven torch backend on a dense index). A permuted region (row_pos) takes the torch
     reference path with its dense index, blockwise."""
-    n = q.shape[2]
     cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if row_pos is not None:
-        heads = k.shape[1] if space == "kv" else q.shape[1]
-        index = dense.build_index(None, n, k.shape[2], heads=heads, block_m=block, block_n=block, head_space=space, device=q.device, row_pos=row_pos)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        sparse_attend(q, k, v, index, scale, torch.arange(heads, dtype=torch.int32, device=q.device), out, lse, row_pos)
-        return out, lse
-    if not q.is_cuda and cpu_flash is not None:
+    if row_pos is None and not q.is_cuda and cpu_flash is not None:
         group = q.shape[1] // k.shape[1]
         # The CPU op has no GQA mode; K/V are repeated for this one reference call (not a kernel path).
         k_rep, v_rep = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
         out, lse = cpu_flash(q, k_rep, v_rep, 0.0, True, scale=scale)[:2]
         return out, lse.float()
     heads = k.shape[1] if space == "kv" else q.shape[1]
-    index = dense.build_index(None, n, heads=heads, block_m=block, block_n=block, head_space=space, device=q.device)
+    g = HeadGroup("dense", DenseParams(), tuple(range(heads)), block, block)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    sparse_attend(q, k, v, index, scale, torch.arange(heads, dtype=torch.int32, device=q.device), out, lse)
+    ids = torch.arange(heads, dtype=torch.int32, device=q.device)
+    sparse_attend(q, k, v, build_group_index(g, q, k, space, row_pos), scale, ids, out, lse, row_pos)
     return out, lse
 
 
@@ -236,7 +230,7 @@ def score_layer(
     budget = target.cost_ms * (1.0 + space.budget_slack)
     scored = []
     for cand in space.candidates:
-        if not space.applies_to(cand, modality) or (row_pos is not None and cand.pattern == "grid"):
+        if not space.applies_to(cand, modality) or (row_pos is not None and not REGISTRY[cand.pattern].REGION):
             continue
         resolved = space.resolve(cand, n, frame_stride=frame_stride)
         if resolved is None:

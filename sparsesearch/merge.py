@@ -1,8 +1,9 @@
-"""Merge partial attention results by their log-sum-exp.
+"""Merge partial attention results by their log-sum-exp (plain torch, no kernel).
 
 Two partials over disjoint key sets, (o_a, lse_a) and (o_b, lse_b), combine exactly into the attention
 over the union: lse = logaddexp(lse_a, lse_b), o = σ(lse_a − lse_b)·o_a + σ(lse_b − lse_a)·o_b. Used by
-the triangle kernel's split-K tail, and later by boundary kernels and SPAVA's cross-rank merge.
+the triangle kernel's split-K tail (kernels/triangle.py), the boundary heads' regions (patterns/boundary.py)
+and later SPAVA's cross-rank merge.
 A partial with lse = −inf (no admitted key) contributes nothing; if every partial is empty the result is
 o = 0, lse = −inf, never NaN.
 """

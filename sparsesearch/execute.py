@@ -1,0 +1,201 @@
+"""Execute: the one place that turns a head group into an index and a kernel launch.
+
+The search (search/layer.py, search/boundary.py), the runtime (runtime/run.py), the FlexAttention export
+(export/flex.py) and ``sparsesearch check`` (selfcheck.py) all build indices and launch kernels through
+these functions, so what the search scores is what the runtime runs and what the exports describe.
+Plain torch: no transformers import, direct or transitive (tests/test_imports.py).
+
+Shapes: q [B, Hq, N, D] post-RoPE, k/v [B, Hkv, Nk, D]; a head group's ids live in the head space
+("query": query heads; "kv": KV heads, each standing for its GQA group of query heads). Launches are
+Triton on CUDA tensors and the index-driven torch backend elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .index import BlockIndex
+from .patterns.registry import REGISTRY, pattern
+
+CACHE_LIMIT = 64  # static indices kept per StaticIndexCache (one model's distinct call shapes)
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """Heads (ids in the head space) sharing one pattern + params + block shape: one index build and one
+    kernel launch."""
+
+    pattern: str
+    params: object
+    heads: tuple[int, ...]
+    block_m: int
+    block_n: int
+
+
+def query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
+    """Query head ids of head-space ids: themselves in "query" space, each KV head's group in "kv" space."""
+    if space == "query":
+        return list(heads)
+    return [h * group + i for h in heads for i in range(group)]
+
+
+def static_index(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, batch: int = 1,
+                 row_pos: torch.Tensor | None = None) -> BlockIndex:
+    """The index of a static pattern's group (registry fact DYNAMIC False): from the shape alone, the same
+    for every head, len(g.heads) heads. row_pos: a permuted region's frame (patterns/boundary.py)."""
+    module = pattern(g.pattern)
+    if module.DYNAMIC:
+        raise ValueError(f"{g.pattern} is estimated from q and k; it has no index from the shape alone")
+    frame = _frame(g.pattern, row_pos)
+    return module.build_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n,
+                              head_space=space, device=device, **frame)
+
+
+def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str, row_pos: torch.Tensor | None = None) -> BlockIndex:
+    """The index one head group runs with: static patterns from the shape, dynamic ones estimated from
+    the group's own q/k heads (q [B, Hq, Nq, D], k [B, Hkv, Nk, D]; the result has len(g.heads) heads).
+    row_pos: a permuted modality region's frame (patterns/boundary.py); patterns without a region form
+    (registry fact REGION False) refuse it."""
+    module = pattern(g.pattern)
+    if not module.DYNAMIC:
+        return static_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0], row_pos=row_pos)
+    group = q.shape[1] // k.shape[1]
+    q_ids = torch.tensor(query_heads(g.heads, space, group), device=q.device)
+    # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
+    kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
+    return module.build_index(g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space,
+                              block_m=g.block_m, block_n=g.block_n, **_frame(g.pattern, row_pos))
+
+
+def _frame(name: str, row_pos: torch.Tensor | None) -> dict:
+    """build_index's frame argument: none in the identity frame; row_pos only where the pattern has one."""
+    if row_pos is None:
+        return {}
+    if not REGISTRY[name].REGION:
+        raise ValueError(f"{name} has no region form; it applies to intra-modality regions only")
+    return {"row_pos": row_pos}
+
+
+class StaticIndexCache:
+    """Static indices by (group, shape, head space, device): they depend on nothing else, so the calls of
+    one length share them. Bounded: past ``limit`` entries the oldest goes first."""
+
+    def __init__(self, limit: int = CACHE_LIMIT):
+        self.limit = limit
+        self._entries: dict[tuple, BlockIndex] = {}
+
+    def index(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
+        """``build_group_index`` (identity frame), cached when the pattern is static."""
+        if REGISTRY[g.pattern].DYNAMIC:
+            return build_group_index(g, q, k, space)
+        key = (g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
+        if key not in self._entries:
+            if len(self._entries) >= self.limit:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = build_group_index(g, q, k, space)
+        return self._entries[key]
+
+
+def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None) -> None:
+    """One launch over the query heads the index serves (``heads``: int32 head-space ids, one per index head)
+    into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a permuted region's frame (q/k/v are the
+    region's gathered rows and keys)."""
+    if q.is_cuda:
+        from .kernels import block_sparse_attention
+
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos)
+    else:
+        from .kernels.torch_sparse import block_sparse_attention_torch
+
+        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos)
+
+
+def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) -> None:
+    """TriangleMix attention of every head (paper 002 §2.2) into out [B, Hq, N, D]: on CUDA the triangle
+    kernel (streaming index + split-K dense last rows); elsewhere the torch backend on the streaming index,
+    then the last rows densely. index: ``triangle`` over every KV head (kv space); lse fp32 [B, Hq, N]."""
+    n = q.shape[2]
+    if q.is_cuda:
+        from .kernels import triangle_attention
+
+        res, _ = triangle_attention(q, k, v, index, params.last, scale=scale)
+        out.copy_(res)
+        return
+    from .kernels.torch_sparse import block_sparse_attention_torch
+    from .reference import masked_attention
+
+    block_sparse_attention_torch(q, k, v, index, scale=scale, out=out, lse=lse)
+    rows = min(params.last, n)
+    # The dense last rows: `rows` x N scores at most, chunked by the oracle.
+    tail, _ = masked_attention(q[:, :, n - rows :], k, v, scale=scale)
+    out[:, :, n - rows :] = tail.to(out.dtype)
+
+
+def dense_heads(q, k, v, heads: list[int], scale: float, out) -> None:
+    """Causal SDPA for the query heads ``heads`` into out [B, Hq, N, D] (GQA handled by SDPA, K/V not
+    repeated): the heads no sparse group covers."""
+    group = q.shape[1] // k.shape[1]
+    q_ids = torch.tensor(heads, device=q.device)
+    if len(heads) == q.shape[1]:
+        res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+    else:
+        kv_ids = q_ids // group
+        res = F.scaled_dot_product_attention(q.index_select(1, q_ids), k.index_select(1, kv_ids), v.index_select(1, kv_ids), is_causal=True, scale=scale)
+    out[:, q_ids] = res.to(out.dtype)
+
+
+def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One region's attention (patterns/boundary.py Region) for the heads of ``groups``: its rows and keys
+    gathered, one index build and one launch per group in the region's frame. q [1, Hq, N, D], k/v
+    [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the region's rows; heads
+    no group serves stay (0, -inf)."""
+    q_r, k_r, v_r = region.gather(q, k, v)
+    out = torch.zeros_like(q_r)
+    lse = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for g in groups:
+        index = build_group_index(g, q_r, k_r, space, region.row_pos)
+        ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
+        sparse_attend(q_r, k_r, v_r, index, scale, ids, out, lse, region.row_pos)
+    return out, lse
+
+
+def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callable[[str], tuple[HeadGroup, ...]], q, k, v,
+                    modality: torch.Tensor, space: str, scale: float, out) -> set[int]:
+    """Boundary heads, each by its type's regions (patterns/boundary.py): per region, one index build and
+    one launch per head group on the region's gathered rows/keys (the region frame row_pos for permuted
+    ones), partials merged by lse into ``out``. boundary: (head, type) pairs; region_groups: scope name ->
+    the groups of that region (() for none; runtime.plan.LayerPlan.region_groups). q [1, Hq, N, D], modality int [N]. Returns the heads (head space) done; a
+    head lacking a group in one of its regions (a modality its calibration never saw) is left to its
+    global pattern."""
+    from .models.modality import MODALITIES
+    from .patterns import boundary as bd
+
+    n, group = q.shape[2], q.shape[1] // k.shape[1]
+    pos = bd.positions(modality.to(q.device), MODALITIES)
+    present = [m for m in MODALITIES if m in pos]
+    if len(present) < 2:
+        return set()  # one modality: every type reduces to the global pattern
+    done: set[int] = set()
+    for kind in sorted({kind for _, kind in boundary}):
+        scopes = bd.region_scopes(kind, present)
+        heads = [h for h, t in boundary if t == kind
+                 and all(any(h in g.heads for g in region_groups(bd.scope_name(*s))) for s in scopes)]
+        if not heads:
+            continue
+        parts = []
+        for q_mod, k_mod in scopes:
+            region = bd.make_region(q_mod, k_mod, pos)
+            if region is None:
+                continue
+            groups = [dataclasses.replace(g, heads=tuple(h for h in g.heads if h in heads)) for g in region_groups(region.name)]
+            parts.append((region, *run_region(q, k, v, region, [g for g in groups if g.heads], space, scale)))
+        merged, _ = bd.compose(parts, n)
+        q_ids = torch.tensor(query_heads(tuple(heads), space, group), device=q.device)
+        out[:, q_ids] = merged[:, q_ids].to(out.dtype)
+        done.update(heads)
+    return done
