@@ -15,7 +15,7 @@ from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console,
 
 @exits_cleanly
 def calibrate(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
+    model: Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
     data: Annotated[str, typer.Option(help="jsonl/parquet file, a saved HF dataset dir, or synthetic:kv-retrieval|passkey|frames|mixed.")] = "synthetic:kv-retrieval",
     search_space: Annotated[Optional[str], typer.Option(help="Bundled name or a JSON file (default: mminference, paper 000 Table 3).")] = None,
     max_tokens: Annotated[int, typer.Option(help="Calibration length in tokens.")] = 4096,
@@ -92,9 +92,12 @@ def _render(result, summary, density) -> None:
     fid = (result.fidelity or {}).get("layer_output_error", {})
     table.add_column("held-out error", justify="right")
     layers = sorted({r["layer"] for r in result.rows})
+    sliding = result.manifest["methods"]["mminference"].get("sliding_layers") or {}
     for layer in layers:
         rows = [r for r in _global(result.rows) if r["layer"] == layer]
         mix = ", ".join(f"{p}×{n}" for p, n in sorted(Counter(r["pattern"] for r in rows).items()))
+        if layer in sliding.get("layers", ()):  # a hybrid model's own window, not a searched choice
+            mix = f"model's sliding window {sliding['window']}"
         kinds = ", ".join(f"{b}×{n}" for b, n in sorted(Counter(r["boundary"] for r in rows).items()))
         dens = sum(density[(layer, r["head"])] for r in rows) / len(rows)
         err = result.manifest["methods"]["mminference"]["calibration_layer_output_error"].get(str(layer))

@@ -37,12 +37,20 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
         f"heads, d={model['head_dim']}, {model['dtype']}), rows per {summary['head_index_space']} head",
         highlight=False,
     )
+    hybrid = bool(model["sliding_layers"])
+    if hybrid:
+        out_console.print(
+            f"hybrid: {len(model['sliding_layers'])} sliding-window layers (window {model['sliding_window']}) run the model's own window "
+            f"(rows: ashape sink 0, local {model['sliding_window']}; not searched); searched global layers: "
+            f"{[layer['layer'] for layer in summary['layers'] if layer['attention'] == 'global']}",
+            highlight=False,
+        )
     source = f", source {prov['source']}" if prov["source"] else ""
     out_console.print(f"provenance {prov['kind']}{source}; methods: {', '.join(summary['methods']) or 'none'}", highlight=False)
     tri = summary["methods"].get("trianglemix")
     if tri and tri.get("start_layer") is not None:
         out_console.print(
-            f"TriangleMix: layers {tri['start_layer']} and deeper run triangle(sink {tri['sink']}, window {tri['window']}, "
+            f"TriangleMix: {'global ' if hybrid else ''}layers {tri['start_layer']} and deeper run triangle(sink {tri['sink']}, window {tri['window']}, "
             f"last {tri['last']}) in every head, whatever their rows say",
             highlight=False,
         )
@@ -55,6 +63,8 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
     title = f"pattern mix per layer ({summary['rows'] - regions} global rows" + (f", plus {regions} modality-region rows)" if regions else ")")
     table = Table(title=title)
     table.add_column("layer", justify="right")
+    if hybrid:
+        table.add_column("attention")
     for name in patterns:
         table.add_column(name, justify="right")
     boundaries = any(layer["boundaries"] for layer in summary["layers"])
@@ -64,8 +74,9 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
     table.add_column("mean score", justify="right")
     for layer in summary["layers"]:
         kinds = [", ".join(f"{k}×{n}" for k, n in layer["boundaries"].items()) or "-"] if boundaries else []
+        attention = [f"window {layer['window']}" if layer["attention"] == "sliding" else "global"] if hybrid else []
         table.add_row(
-            str(layer["layer"]), *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds,
+            str(layer["layer"]), *attention, *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds,
             _num(layer["mean_density"]), _num(layer["mean_score"]),
         )
     out_console.print(table)

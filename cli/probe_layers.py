@@ -14,7 +14,7 @@ from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console,
 
 @exits_cleanly
 def probe_layers(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
+    model: Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
     samples: Annotated[int, typer.Option(help="Probe prompts (paper: 100).")] = 100,
     tokens: Annotated[int, typer.Option(help="Prompt length in tokens (paper: about 2K).")] = 2048,
     sink: Annotated[int, typer.Option(help="Streaming section: sink tokens (paper: 64).")] = 64,

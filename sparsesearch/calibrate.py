@@ -5,6 +5,11 @@ layer is searched (search.layer) and its scores are written to ``OUT.partial/`` 
 (mean objective over samples) -> artifact (manifest + heads.parquet) -> fidelity on a held-out sample with
 the sparse runtime vs dense -> the artifact is written atomically, with a PNG map beside it.
 
+Hybrid models (Gemma 3): only the global (full-attention) layers are captured and searched; each sliding
+layer gets the model's own window as its rows (columns.window_row: ashape sink 0, local = sliding_window,
+density computed at the calibration length, nothing measured) and ``methods.mminference.sliding_layers``
+says so. Skipping the search there is the point: 15 of Gemma 3 270M's 18 layers cost nothing.
+
 Resume: ``OUT.partial/state.json`` fingerprints the run (model revision, data hash, search space hash,
 settings); per (sample, layer) score files are skipped on ``resume=True``, so a killed run loses at most
 the layer in progress and ends with the same artifact (scores round-trip exactly through JSON).
@@ -24,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .artifacts.columns import ALL_MODALITIES, is_global, row_from_params
+from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, is_global, row_from_params, window_params, window_row
 from .patterns import PARAMS
 from .search.cost import cost_model_for
 from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
@@ -290,6 +295,8 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; calibration data needs one")
+    if not info.global_layers:
+        raise ValueError(f"model {cfg.model!r}: every layer is sliding-window attention (window {info.sliding_window}); nothing to search")
     device = str(next(model.parameters()).device)
     progress.stage("loading calibration data")
     samples = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples, seed=cfg.seed)
@@ -300,17 +307,19 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     started = time.perf_counter()
     for si, sample in enumerate(samples):
         present = _modalities_present(sample)
-        todo = {layer for layer in range(info.num_layers) if not _layer_done(work, si, layer, len(present) > 1)}
+        todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
         if not todo:
             continue
         on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress)
         progress.stage(f"searching sample {si + 1}/{len(samples)}")
         inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
-        capture_qkv(model, inputs, on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
+        capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
     search_s = time.perf_counter() - started
 
     rows, layer_errors, boundary_report = [], {}, {}
-    for layer in range(info.num_layers):
+    lengths = [int(s.input_ids.numel()) for s in samples]
+    rows.extend(sliding_rows(info, cfg.head_space, round(sum(lengths) / len(lengths))))
+    for layer in info.global_layers:
         layer_rows, error, report = _assemble_layer(work, layer, len(samples), space, cfg.objective, total)
         rows.extend(layer_rows)
         layer_errors[layer] = error
@@ -332,6 +341,11 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
             "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},
         },
     }}
+    if info.sliding_layers:
+        methods["mminference"]["sliding_layers"] = {
+            "layers": list(info.sliding_layers), "window": info.sliding_window,
+            "rows": "the model's own sliding window (ashape sink 0, local = window), not searched; density computed at the mean calibration length",
+        }
     # Modalities: the model's own, plus any the calibration data marks itself (synthetic:frames on a text
     # model is "video" without a video token); heads rows may name them.
     modalities = default_modalities(info)
@@ -340,7 +354,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
             modalities["names"].setdefault(name, MODALITY_NAMES.index(name))
     manifest = new_manifest(
         info, head_index_space=cfg.head_space, modalities=modalities, provenance={"kind": "calibrated", "source": cfg.data},
-        methods=methods, calibration={"source": cfg.data, "sha256": data_sha, "lengths": [int(s.input_ids.numel()) for s in samples], "seed": cfg.seed},
+        methods=methods, calibration={"source": cfg.data, "sha256": data_sha, "lengths": lengths, "seed": cfg.seed},
         search_space={"name": space.name, "sha256": space.sha256}, created=created,
     )
     fidelity = None
@@ -362,6 +376,19 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
     return CalibrationResult(path, manifest, rows, timings, fidelity, png)
+
+
+def sliding_rows(info, head_space: str, tokens: int) -> list[dict]:
+    """The rows of a hybrid model's sliding layers: per head the model's window, with the density our
+    kernel computes for it at ``tokens`` (block granularity, as every searched row's density)."""
+    if not info.sliding_layers:
+        return []
+    from .patterns import ashape
+
+    density = ashape.density(window_params(info.sliding_window), tokens, block_m=WINDOW_BLOCK, block_n=WINDOW_BLOCK)
+    heads = info.num_kv_heads if head_space == "kv" else info.num_heads
+    return [window_row(layer, head, info.sliding_window, density=round(density, 6))
+            for layer in info.sliding_layers for head in range(heads)]
 
 
 def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none") -> dict:

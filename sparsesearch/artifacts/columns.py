@@ -8,6 +8,12 @@ Modality regions (patterns/boundary.py): (all, all) is the global pattern every 
 (a, b) cross, (a, all) the rows of a (Q-boundary), (all, b) the keys of b (K-boundary). ``boundary`` is the
 head's chosen type and is the same on every row of the head; the runtime runs the regions of that type
 (none: the global row) and ignores the head's other rows, which stay as the searched alternatives.
+
+Hybrid models (ModelInfo.layer_types, e.g. Gemma 3): a sliding-window layer's rows carry the model's own
+window as their pattern — ashape with sink 0 and local = sliding_window (``window_row``), one global row
+per head, density computed, nothing measured. They are the model's attention, not a searched choice:
+``check_window_rows`` refuses any other pattern on such a layer, so a row on a sliding layer always means
+"the model's window", and readers (inspect, exports) tell them apart by the manifest's model.layer_types.
 """
 
 from __future__ import annotations
@@ -65,6 +71,63 @@ HEADS_SCHEMA = pa.schema(
 def is_global(row: dict) -> bool:
     """The head's global (all x all) row: what it runs without modality ids, and its boundary-none pattern."""
     return row["q_modality"] == ALL_MODALITIES and row["k_modality"] == ALL_MODALITIES
+
+
+WINDOW_BLOCK = 64  # block_m = block_n of a sliding layer's window rows: the runtime runs the window with it
+
+
+def window_params(window: int):
+    """The pattern of a sliding-window layer: AShapeParams(sink=0, local=window), i.e. key j admitted for
+    the query at position p iff 0 <= p - j < window (transformers' sliding_window_overlay + causal)."""
+    from sparsesearch.patterns.ashape import AShapeParams
+
+    return AShapeParams(sink=0, local=int(window))
+
+
+def window_row(layer: int, head: int, window: int, *, density: float | None = None) -> dict:
+    """The heads row of head ``head`` on sliding layer ``layer``: the model's window, nothing measured."""
+    return {
+        "layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES,
+        "boundary": "none", "pattern": "ashape", **row_from_params(window_params(window)),
+        "block_m": WINDOW_BLOCK, "block_n": WINDOW_BLOCK, "density": density, "recall": None,
+        "output_error": None, "latency_ms": None, "score": None,
+    }
+
+
+def is_window_row(row: dict, window: int) -> bool:
+    """Whether ``row`` says exactly "the model's window" (global, boundary none, ashape sink 0, local window)."""
+    return (
+        is_global(row) and row["boundary"] == "none" and row["pattern"] == "ashape"
+        and _int(row.get("sink")) == 0 and _int(row.get("local")) == int(window)
+    )
+
+
+def check_window_rows(rows, layer_types, sliding_window: int | None) -> None:
+    """Raise ArtifactError (a ValueError, one line naming the layer and the constraint) when a row on a
+    sliding-window layer is anything but that layer's window. layer_types: per layer "sliding_attention" /
+    "full_attention", or None for a uniform full-attention model (nothing to check)."""
+    from sparsesearch.artifacts.schema import ArtifactError
+
+    if not layer_types:
+        return
+    for row in rows:
+        layer = int(row["layer"])
+        if layer_types[layer] == "sliding_attention" and not is_window_row(row, sliding_window):
+            raise ArtifactError(
+                f"layer {layer} is a sliding-window layer of the model (window {sliding_window}): its only pattern is that "
+                f"window (ashape sink 0, local {sliding_window}, all->all), got {_describe(row)} for head {int(row['head'])}"
+            )
+
+
+def _int(value) -> int | None:
+    return None if value is None or value != value else int(value)  # null or NaN from pandas -> None
+
+
+def _describe(row: dict) -> str:
+    values = {name: _int(row.get(name)) if PARAM_COLUMNS[name] != pa.bool_() else row.get(name) for name in PARAM_COLUMNS}
+    params = ", ".join(f"{k} {v}" for k, v in values.items() if v is not None)
+    scope = "" if is_global(row) else f" on {row['q_modality']}->{row['k_modality']}"
+    return f"{row['pattern']}" + (f" ({params})" if params else "") + scope
 
 
 def params_from_row(row: dict):

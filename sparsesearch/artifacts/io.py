@@ -111,6 +111,7 @@ def check_manifest(manifest: dict) -> None:
         raise ArtifactError(
             f"manifest.json: model.num_heads ({model['num_heads']}) is not a multiple of model.num_kv_heads ({model['num_kv_heads']})"
         )
+    _check_layer_types(model)
     for name in manifest["files"]:
         if not TABLE_NAME.match(name):
             raise ArtifactError(f"manifest.json: file name {name!r} is not a plain '<name>.parquet' (no paths)")
@@ -130,6 +131,17 @@ def check_manifest(manifest: dict) -> None:
             raise ArtifactError(f"manifest.json: methods.trianglemix: {exc}") from None
 
 
+def _check_layer_types(model: dict) -> None:
+    """A hybrid model section: one type per layer, and a window when any layer slides."""
+    types = model.get("layer_types")
+    if types is None:
+        return
+    if len(types) != model["num_layers"]:
+        raise ArtifactError(f"manifest.json: model.layer_types has {len(types)} entries for {model['num_layers']} layers")
+    if "sliding_attention" in types and model.get("sliding_window") is None:
+        raise ArtifactError("manifest.json: model.layer_types has sliding layers but model.sliding_window is null")
+
+
 def check_fits(manifest: dict, model: ModelInfo) -> None:
     """Raise ArtifactError when the artifact's model facts disagree with ``model`` (first mismatch named)."""
     recorded = manifest["model"]
@@ -141,6 +153,12 @@ def check_fits(manifest: dict, model: ModelInfo) -> None:
             if key == "head_dim":
                 raise ArtifactError(f"artifact is for head_dim {have}, model has head_dim {want}")
             raise ArtifactError(f"artifact is for {have} {noun}, model has {want}")
+    have_sliding = [i for i, t in enumerate(recorded.get("layer_types") or []) if t == "sliding_attention"]
+    if have_sliding != list(model.sliding_layers) or (have_sliding and recorded.get("sliding_window") != model.sliding_window):
+        raise ArtifactError(
+            f"artifact is for sliding-window layers {have_sliding or 'none'} (window {recorded.get('sliding_window')}), "
+            f"model has {list(model.sliding_layers) or 'none'} (window {model.sliding_window})"
+        )
 
 
 def _table_bytes(table: pa.Table, name: str, version: int = SCHEMA_VERSION) -> bytes:

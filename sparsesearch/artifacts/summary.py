@@ -21,20 +21,26 @@ def _stats(values: list[float]) -> dict | None:
 def summarize(artifact: Artifact) -> dict:
     """Model, provenance, methods, files, and per-layer pattern and boundary mix with mean density and
     score. Per-layer figures and metrics cover the global (all x all) rows, one per head; the modality
-    region rows of multi-modal calibrations are counted in ``modality_pairs``."""
+    region rows of multi-modal calibrations are counted in ``modality_pairs``. On a hybrid model each layer
+    says whether it is "sliding" (its rows are the model's window, ``window``) or "global" (searched)."""
     m = artifact.manifest
     model = m["model"]
     rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
     global_rows = [r for r in rows if is_global(r)]
     patterns = sorted({r["pattern"] for r in global_rows})
+    types = model.get("layer_types") or ["full_attention"] * model["num_layers"]
     layers = []
     for layer in range(model["num_layers"]):
         mine = [r for r in global_rows if r["layer"] == layer]
         counts = Counter(r["pattern"] for r in mine)
         densities = [r["density"] for r in mine if r["density"] is not None]
         scores = [r["score"] for r in mine if r["score"] is not None]
+        sliding = types[layer] == "sliding_attention"
         layers.append({
             "layer": layer,
+            # A hybrid model's sliding layer: its rows are the model's own window (not searched; columns.py).
+            "attention": "sliding" if sliding else "global",
+            "window": model.get("sliding_window") if sliding else None,
             "rows": len(mine),
             "patterns": {p: counts.get(p, 0) for p in patterns},
             "boundaries": dict(sorted(Counter(r["boundary"] for r in mine if r["boundary"] != "none").items())),
@@ -46,7 +52,8 @@ def summarize(artifact: Artifact) -> dict:
         "schema_version": m["schema_version"],
         "created": m["created"],
         "producer": m["producer"],
-        "model": {k: model[k] for k in ("id", "revision", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")},
+        "model": {k: model[k] for k in ("id", "revision", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")}
+        | {"sliding_layers": [i for i, t in enumerate(types) if t == "sliding_attention"], "sliding_window": model.get("sliding_window")},
         "head_index_space": m["head_index_space"],
         "provenance": m["provenance"],
         "methods": {name: entry for name, entry in m["methods"].items() if entry is not None},

@@ -14,7 +14,7 @@ from numbers import Integral, Real
 import pyarrow as pa
 
 from ..index import BLOCK_SIZES
-from .columns import ALL_MODALITIES, BOUNDARIES, HEADS_KEY, HEADS_SCHEMA, PARAM_COLUMNS, params_from_row
+from .columns import ALL_MODALITIES, BOUNDARIES, HEADS_KEY, HEADS_SCHEMA, PARAM_COLUMNS, check_window_rows, params_from_row
 from .schema import ArtifactError
 
 HEADS_FILE = "heads.parquet"
@@ -125,7 +125,8 @@ def heads_space_size(manifest: dict) -> int:
 
 def check_heads(records: list[dict], manifest: dict, *, where: str = HEADS_FILE) -> None:
     """Check every row against the manifest: ranges, modality names, boundary, block sizes, pattern and
-    params (via params_from_row), parameter columns the pattern does not have, measured values, repeats."""
+    params (via params_from_row), parameter columns the pattern does not have, measured values, repeats,
+    and on a hybrid model's sliding layers that every row is the model's window (columns.check_window_rows)."""
     from sparsesearch.patterns import PARAMS
 
     model = manifest["model"]
@@ -172,6 +173,10 @@ def check_heads(records: list[dict], manifest: dict, *, where: str = HEADS_FILE)
         if key in seen:
             raise ArtifactError(f"{at}: repeated row (one row per layer, head and modality pair)")
         seen.add(key)
+    try:
+        check_window_rows(records, model.get("layer_types"), model.get("sliding_window"))
+    except ArtifactError as exc:
+        raise ArtifactError(f"{where}: {exc}") from None
 
 
 def to_query_heads(records: list[dict], manifest: dict) -> list[dict]:

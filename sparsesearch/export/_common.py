@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..artifacts.columns import ALL_MODALITIES, row_from_params
+from ..artifacts.columns import ALL_MODALITIES, row_from_params, window_row
 from ..artifacts.io import Artifact
 from ..artifacts.tables import row_name
 
@@ -43,7 +43,9 @@ def effective_rows(artifact: Artifact, fmt: str, *, modality_rows: bool = False)
     """What the runtime runs per (layer, head) of the artifact's head space, as text-only rows, plus the
     modality-pair rows.
 
-    Same reading as ``runtime.plan.build_plan``: layers at or past ``methods.trianglemix.start_layer`` run
+    Same reading as ``runtime.plan.build_plan``: a hybrid model's sliding layers (manifest model.layer_types)
+    run the model's window, ashape(sink 0, local sliding_window), in every head — their rows say exactly that
+    (validated) or are implied; global layers at or past ``methods.trianglemix.start_layer`` run
     triangle(sink, window, last) in every head whatever their rows say; a head with no text row runs dense.
     Formats without modalities cannot say what a modality-pair row means: with ``modality_rows=False`` any
     such row (outside TriangleMix layers) is an error naming it; with True they are returned separately.
@@ -55,9 +57,11 @@ def effective_rows(artifact: Artifact, fmt: str, *, modality_rows: bool = False)
     heads = model["num_heads"] if manifest["head_index_space"] == "query" else model["num_kv_heads"]
     tri = manifest["methods"].get("trianglemix")
     start = tri["start_layer"] if tri is not None and tri.get("start_layer") is not None else model["num_layers"]
+    types = model.get("layer_types") or ["full_attention"] * model["num_layers"]
+    sliding = {layer for layer, kind in enumerate(types) if kind == "sliding_attention"}
     text, pairs = {}, []
     for row in artifact.head_rows():
-        if row["layer"] >= start:
+        if row["layer"] >= start and row["layer"] not in sliding:
             continue
         if row["q_modality"] != ALL_MODALITIES or row["k_modality"] != ALL_MODALITIES:
             if not modality_rows:
@@ -71,7 +75,9 @@ def effective_rows(artifact: Artifact, fmt: str, *, modality_rows: bool = False)
     out = {}
     for layer in range(model["num_layers"]):
         for head in range(heads):
-            if layer >= start:
+            if layer in sliding:
+                out[(layer, head)] = text.get((layer, head)) or window_row(layer, head, model["sliding_window"])
+            elif layer >= start:
                 params = PARAMS["triangle"](sink=tri["sink"], window=tri["window"], last=tri["last"])
                 out[(layer, head)] = implied_row(layer, head, "triangle", params)
             else:

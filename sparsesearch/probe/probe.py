@@ -76,8 +76,11 @@ def probe_input(sample) -> tuple[torch.Tensor, int]:
     return torch.cat([sample.input_ids, answer[:start]]), int(answer[start])
 
 
-def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict[str, torch.Tensor]:
-    """One sample: section sums per layer. Returns grad/abs/att means, float64 [L, H, 3]."""
+def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device, skip: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """One sample: section sums per layer. Returns grad/abs/att means, float64 [L, H, 3].
+
+    skip: layers left unprobed, NaN in the result — a hybrid model's sliding-window layers, whose
+    probabilities are not the causal softmax the section sums assume (and which TriangleMix never touches)."""
     from ..models.capture import attention_capture, attention_lse
     from .sections import section_sums_auto
 
@@ -86,6 +89,8 @@ def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict
     def sink(module, query, key, value, attention_mask, output, scaling) -> None:
         # Under gradient checkpointing a layer's attention runs twice (forward, then recompute in backward):
         # keep the first entry and hook only once, so the gradient lands where the tensors are.
+        if module.layer_idx in skip:
+            return
         entry = layers.setdefault(module.layer_idx, {"q": query.detach(), "k": key.detach(), "v": value.detach(), "scale": scaling})
 
         def keep(grad, entry=entry):
@@ -102,7 +107,11 @@ def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict
         y = logits[0, -1, target].float()
         y.backward()
     grad, absg, att = [], [], []
-    for layer in sorted(layers):
+    num_layers = int(model.config.get_text_config().num_hidden_layers)
+    for layer in range(num_layers):
+        if layer in skip:
+            grad.append(None), absg.append(None), att.append(None)
+            continue
         e = layers.pop(layer)
         do = e["do"]
         if do.shape != e["q"].shape:  # transformers hands back [B, N, H, D]; sections want [B, H, N, D]
@@ -115,7 +124,13 @@ def probe_sample(model, ids: torch.Tensor, target: int, spec, *, device) -> dict
         absg.append((sums.abs_grad_sum[0] / count))
         att.append((sums.prob_sum[0] / count))
     model.zero_grad(set_to_none=True)
-    return {"grad": torch.stack(grad).cpu(), "abs": torch.stack(absg).cpu(), "att": torch.stack(att).cpu()}
+    return {"grad": _stack_layers(grad), "abs": _stack_layers(absg), "att": _stack_layers(att)}
+
+
+def _stack_layers(per_layer: list[torch.Tensor | None]) -> torch.Tensor:
+    """[L, H, 3] on CPU from per-layer [H, 3] tensors; a skipped layer (None) is NaN."""
+    like = next(t for t in per_layer if t is not None)
+    return torch.stack([t if t is not None else torch.full_like(like, float("nan")) for t in per_layer]).cpu()
 
 
 def aggregate(per_sample: list[dict[str, torch.Tensor]], tokens: list[int]) -> ProbeResult:
@@ -143,13 +158,20 @@ class StartRule:
     quantity: str = "middle_abs_grad_sum_over_heads"
 
     def choose(self, result: ProbeResult) -> int:
+        """The start layer. Unprobed layers (NaN: a hybrid model's sliding layers) neither count for the
+        peak nor break the run, and the start is a probed layer — triangle applies to those only."""
         curve = result.layer_curve("abs", "middle")
-        peak = float(curve.max())
+        probed = ~torch.isnan(curve)
+        if not bool(probed.any()):
+            return len(curve)
+        peak = float(curve[probed].max())
         if peak <= 0:
-            return 0
+            return int(probed.nonzero()[0])
         below = curve <= self.threshold * peak
         start = len(curve)
         for layer in range(len(curve) - 1, -1, -1):
+            if not bool(probed[layer]):
+                continue
             if not bool(below[layer]):
                 break
             start = layer

@@ -3,6 +3,11 @@
 Writing into an artifact that already has per-head patterns composes them (paper 002 Tables 4/6): the
 heads table is kept, ``methods.trianglemix`` and ``layers.parquet`` are added, and the runtime runs
 triangle attention from the start layer on and the searched patterns below it.
+
+Hybrid models (Gemma 3): only the global layers are probed; the start layer is a global layer and
+triangle runs on the global layers from it on (sliding layers keep the model's window, runtime/plan.py).
+layers.parquet has a row for every layer, with ``sliding`` / ``sliding_window`` and NaN values on the
+sliding ones.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
     stage("probing")
     for i, sample in enumerate(samples):
         ids, target = probe_input(sample)
-        per_sample.append(probe_sample(model, ids, target, spec, device=device))
+        per_sample.append(probe_sample(model, ids, target, spec, device=device, skip=info.sliding_layers))
         lengths.append(int(ids.numel()))
         tick(i + 1, len(samples))
     result = aggregate(per_sample, lengths)
@@ -150,7 +155,7 @@ def validate_starts(model, tokenizer, info, cfg: ProbeConfig, base) -> list[dict
     artifact = lambda start: SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
     reference = generations(model, tokenizer, samples, artifact(None) if base is not None else None, min_tokens=64)
     rows = [{"start_layer": None, "accuracy": accuracy(reference), "kl": 0.0}]
-    for start in range(0, info.num_layers, cfg.validate_step):
+    for start in info.global_layers[:: cfg.validate_step]:  # triangle starts only on global layers (all layers of a uniform model)
         tri = generations(model, tokenizer, samples, artifact(start), min_tokens=64)
         rows.append({"start_layer": start, "accuracy": accuracy(tri), "kl": round(mean_kl(reference, tri), 6)})
     return rows
@@ -171,13 +176,15 @@ def smallest_within(rows: list[dict], kl_tolerance: float) -> int | None:
     return best
 
 
-def _layers_table(result: ProbeResult, start: int, validation: list[dict] | None) -> pd.DataFrame:
+def _layers_table(result: ProbeResult, start: int, validation: list[dict] | None, info) -> pd.DataFrame:
     layers, heads = result.grad_mean.shape[:2]
     val = {r["start_layer"]: r for r in (validation or []) if r["start_layer"] is not None}
     records = []
     for layer in range(layers):
+        window = info.window_of(layer)
         for head in range(heads):
-            rec = {"layer": layer, "head": head, "chosen_start": layer == start}
+            # A hybrid model's sliding layer is not probed (NaN values) and never runs triangle.
+            rec = {"layer": layer, "head": head, "chosen_start": layer == start, "sliding": window is not None, "sliding_window": window}
             for i, sec in enumerate(SECTIONS):
                 rec[f"grad_{sec}"] = float(result.grad_mean[layer, head, i])
                 rec[f"grad_{sec}_se"] = float(result.grad_se[layer, head, i])
@@ -209,7 +216,7 @@ def _write(cfg, info, result, rule, start, validation, validated, base) -> Path:
     if cfg.created:
         manifest["created"] = cfg.created
     tables = dict(base.tables) if base is not None else {"heads.parquet": []}
-    tables["layers.parquet"] = _layers_table(result, start, validation)
+    tables["layers.parquet"] = _layers_table(result, start, validation, info)
     manifest.pop("files", None)
     manifest["files"] = {}
     return write_artifact(cfg.out, manifest, tables, overwrite=base is not None)

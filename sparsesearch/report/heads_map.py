@@ -1,5 +1,5 @@
 """PNG map of an artifact's global rows: layers x heads, colour = pattern, label = density (%) and, for
-boundary heads, their type (K, Q, 2D)."""
+boundary heads, their type (K, Q, 2D); a hybrid model's sliding layers are labelled W (the model's window)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = No
             labels[r["layer"]][r["head"]] = f"{100 * value:.0f}"
         if r.get("boundary", "none") != "none":
             labels[r["layer"]][r["head"]] += f" {r['boundary'].upper()}"
+        if info.window_of(r["layer"]) is not None:  # a hybrid model's own window, not a searched choice
+            labels[r["layer"]][r["head"]] += " W"
     fig, ax = plt.subplots(figsize=(max(5.5, 0.5 * heads + 2), max(4, 0.25 * info.num_layers + 1.5)))
     ax.imshow(grid, cmap=ListedColormap([PATTERN_COLORS[n] for n in names]), vmin=0, vmax=len(names) - 1, aspect="auto")
     for layer in range(info.num_layers):
@@ -44,7 +46,8 @@ def draw_heads_map(rows: list[dict], info, path: Path, density: dict | None = No
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
-    ax.set_title(f"{info.id}\npattern per head · numbers: density % · K/Q/2D: boundary type", fontsize=10)
+    window = f" · W: the model's sliding window {info.sliding_window}" if info.sliding_layers else ""
+    ax.set_title(f"{info.id}\npattern per head · numbers: density % · K/Q/2D: boundary type{window}", fontsize=10)
     used = sorted({r["pattern"] for r in text}) or ["dense"]
     ax.legend(handles=[Patch(color=PATTERN_COLORS[n], label=n) for n in used], loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(used), fontsize=7)
     fig.tight_layout()

@@ -8,6 +8,11 @@ reference to the model's Runner and its layer's plan as plain attributes, which 
 Dense SDPA runs (through transformers' own SDPA function, so logits are bit-identical to the stock
 model) for: dense layers, prompts shorter than the plan's ``min_tokens``, decoding and chunked prefill
 (q_len != kv_len), dropout, and padding that is not one contiguous run per sequence.
+
+A hybrid model's sliding-window layers (plan kind "window") run exactly the model's own attention: on
+prefill without padding from ``min_tokens`` on, our kernel with the window index (ashape sink 0, local
+window — what transformers' sliding mask admits); otherwise transformers' SDPA with the sliding mask it
+passed. Their mask is never read as padding (its last row is the window, not a run of real tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ def sparsesearch_attention(module, query, key, value, attention_mask, dropout: f
     runner: Runner | None = getattr(module, _RUNNER, None)
     layer = getattr(module, _LAYER, None)
     q_len, kv_len = query.shape[2], key.shape[2]
+    if runner is not None and layer is not None and layer.kind == "window":
+        if q_len == kv_len >= runner.plan.min_tokens and not (dropout and module.training) and _unpadded(attention_mask):
+            return runner.attend(layer, query, key, value, scale=scaling).transpose(1, 2), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     sparse = (
         runner is not None and layer is not None and layer.kind != "dense" and q_len == kv_len
         and q_len >= runner.plan.min_tokens and not (dropout and module.training)
@@ -51,6 +60,17 @@ def sparsesearch_attention(module, query, key, value, attention_mask, dropout: f
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = runner.attend(layer, query, key, value, scale=scaling)
     return out.transpose(1, 2), None
+
+
+def _unpadded(mask: torch.Tensor | None) -> bool:
+    """Whether a layer's mask holds no padding: None (plain causal), or a bool [B, 1, N, N] mask whose
+    diagonal is all True — every real token sees itself, and a padding key is masked on every row, its
+    own included. O(N) to check; the window itself comes from the plan, not from the mask."""
+    if mask is None:
+        return True
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    return bool(mask.diagonal(dim1=-2, dim2=-1).all())
 
 
 def _padding_runs(mask: torch.Tensor, n: int) -> list[tuple[int, int]] | None:

@@ -4,13 +4,19 @@ Per layer the plan holds head groups — heads that share one pattern and one pa
 call runs one index build and one kernel launch per group, never a Python loop over heads. A layer whose
 heads are all dense runs SDPA; a TriangleMix layer (methods.trianglemix.start_layer and deeper) runs the
 triangle kernel for every head.
+
+Hybrid models (Gemma 3): a sliding-window layer of the *model* (ModelInfo.layer_types) is a "window"
+layer whatever the artifact says — one group, every head, ashape(sink 0, local sliding_window), which is
+exactly the model's own attention. TriangleMix from a start layer applies to the global layers only (a
+sliding layer's window already bounds its cost; triangle would drop its last keys' context — paper 002
+probes full-attention models).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..artifacts.columns import is_global, params_from_row
+from ..artifacts.columns import WINDOW_BLOCK, check_window_rows, is_global, params_from_row, window_params
 from ..execute import HeadGroup
 from ..patterns.boundary import scope_name
 from ..models.info import ModelInfo
@@ -21,7 +27,7 @@ DEFAULT_MIN_TOKENS = 1024  # below this, sparse attention does not pay for its i
 @dataclass(frozen=True)
 class LayerPlan:
     layer: int
-    kind: str  # "dense" | "sparse" | "triangle"
+    kind: str  # "dense" | "sparse" | "triangle" | "window" (a hybrid model's sliding layer: its own window)
     groups: tuple[HeadGroup, ...] = ()  # the global (all x all) patterns: every head's, fallback included
     triangle: object | None = None  # TriangleParams when kind == "triangle"
     # Boundary heads (paper 000 §3.2): (head, type) for heads whose type is k, q or 2d, and the region
@@ -67,6 +73,7 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
     space_heads = info.num_kv_heads if head_space == "kv" else info.num_heads
     notes = []
     rows = heads.to_dict("records") if heads is not None and len(heads) else []
+    check_window_rows(rows, info.layer_types, info.sliding_window)
     for row in rows:
         layer, head = int(row["layer"]), int(row["head"])
         if not 0 <= layer < info.num_layers or not 0 <= head < space_heads:
@@ -90,7 +97,13 @@ def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFA
 
         tri_params = TriangleParams(sink=int(tri["sink"]), window=int(tri["window"]), last=int(tri["last"]))
     layers = []
+    every_head = tuple(range(space_heads))
     for layer in range(info.num_layers):
+        window = info.window_of(layer)
+        if window is not None:
+            group = HeadGroup("ashape", window_params(window), every_head, WINDOW_BLOCK, WINDOW_BLOCK)
+            layers.append(LayerPlan(layer, "window", (group,)))
+            continue
         if tri_params is not None and layer >= int(start):
             layers.append(LayerPlan(layer, "triangle", triangle=tri_params))
             continue

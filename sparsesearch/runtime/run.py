@@ -95,7 +95,9 @@ class Runner:
         return buf.transpose(1, 2)
 
     def _audit(self, layer: LayerPlan, q, k, v, scale, out) -> None:
-        if self.audit is None:
+        # A window layer runs the model's own attention (its kernel is checked against transformers' sliding
+        # SDPA in the tests); a causal reference would report the window itself as error.
+        if self.audit is None or layer.kind == "window":
             return
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
