@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, spava, sweep_spava, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -22,6 +22,8 @@ app.command("validate")(validate.validate)
 app.command("export")(export.export)
 app.command("import-minference")(import_minference.import_minference)
 app.command("diff")(diff.diff)
+app.add_typer(spava.app, name="spava")
+app.command("sweep-spava")(sweep_spava.sweep_spava)
 
 
 @app.callback()

@@ -1,0 +1,76 @@
+"""`sparsesearch spava run` / `sweep-spava`: bad input is exit 2 with one line and nothing written;
+the launcher's failure line; the recommendation rule; an end-to-end sweep on the tiny model (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+from sparsesearch.spava.launch import failure_line
+from sparsesearch.spava.sweep import recommend
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["spava", "run", "--nproc", "0"], "nproc must be >= 1"),
+    (["spava", "run", "--nproc", "-3"], "nproc must be >= 1"),
+    (["spava", "run", "--anchor", "100"], "anchor (l_a) must be a multiple of 128"),
+    (["spava", "run", "--passing", "200"], "passing (l_p) must be a multiple of 128"),
+    (["spava", "run", "--tokens", "2048", "--passing", "1024"], "larger than a block"),
+    (["spava", "run", "--tokens", "1024", "--nproc", "600"], "larger than this context allows"),
+    (["spava", "run", "--backend", "nccl"], "no CUDA device"),
+    (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
+    (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
+    (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
+])
+def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
+    out = tmp_path / "art"
+    extra = ["--out", str(out)] if args[0] == "sweep-spava" else []
+    res = runner.invoke(app, args + extra)
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], res.output
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_into_needs_an_artifact(tmp_path):
+    res = runner.invoke(app, ["sweep-spava", "--into", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no artifact there" in res.output
+
+
+def test_failure_line_names_the_rank():
+    log = "noise\n[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:1234\nmore"
+    assert failure_line(log, 1) == "rank 1 failed: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    assert "exit code -9" in failure_line("nothing useful", -9)
+
+
+def test_recommend_prefers_fast_within_tolerance():
+    row = lambda la, lp, kl, s: {"tokens": 2048, "nproc": 2, "anchor": la, "passing": lp, "kl": kl, "modelled_s_w2": s}
+    rows = [row(128, 128, 0.02, 1.0), row(128, 256, 0.004, 1.5), row(256, 256, 0.003, 2.0)]
+    assert recommend(rows, 0.01) == [{"tokens": 2048, "anchor": 128, "passing": 256, "kl": 0.004, "qualified": True}]
+    assert recommend(rows, 0.001)[0] | {} == {"tokens": 2048, "anchor": 256, "passing": 256, "kl": 0.003, "qualified": False}
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_tiny_model(tmp_path):
+    from tiny_model import make_tiny_model
+
+    from sparsesearch.artifacts import load_artifact
+
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "art"
+    res = runner.invoke(app, ["sweep-spava", "--model", model, "--nproc", "2", "--tokens", "600", "--anchor", "0,128",
+                              "--passing", "0,128", "--query", "16", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(res.stdout)
+    assert len(payload["rows"]) == 4 and payload["exact_engine"] == "zigzag-ring"
+    art = load_artifact(out)
+    assert art.manifest["methods"]["spava"]["recommended"][0]["tokens"] == 600
+    assert len(art.tables["spava.parquet"]) == 4
+    by = {(r["anchor"], r["passing"]): r for r in payload["rows"]}
+    assert all(r["kl"] >= 0 and r["logit_rel_error"] >= 0 for r in by.values())
+    assert by[(0, 128)]["bytes_sent"] > by[(0, 0)]["bytes_sent"] > 0  # passing KVs on top of the query partials
