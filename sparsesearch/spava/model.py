@@ -101,10 +101,11 @@ def detach(model) -> None:
         del model._spava_previous_attn
 
 
-def tail_logits(model, ids: torch.Tensor, ctx: RankContext, tail: int, *, owner: bool) -> torch.Tensor:
+def tail_logits(model, ids: torch.Tensor, ctx: RankContext, tail: int, *, owner: bool, embeds: torch.Tensor | None = None) -> torch.Tensor:
     """One prefill of this rank's tokens; logits of the last `tail` positions of the whole prompt.
 
-    ids long [B, n] (the whole prompt: every rank holds the token ids, only its own pass the layers).
+    ids long [B, n] (the whole prompt: every rank holds the token ids, only its own pass the layers);
+    embeds [B, n, hidden], when given, are fed instead (a VLM's merged embeddings, vision.py).
     owner: whether this rank contributes the tail positions it holds (the query is replicated under
     SPAVA, so only one rank contributes there). Returns fp32 [B, tail, V], identical on every rank.
     """
@@ -113,7 +114,8 @@ def tail_logits(model, ids: torch.Tensor, ctx: RankContext, tail: int, *, owner:
         pos = ctx.pos.to(ids.device)
         keep = (pos >= ctx.n - tail).nonzero().flatten()
         with torch.no_grad():
-            out = model(input_ids=ids[:, pos], position_ids=pos[None].expand(ids.shape[0], -1), use_cache=False, logits_to_keep=keep)
+            inputs = {"input_ids": ids[:, pos]} if embeds is None else {"inputs_embeds": embeds[:, pos]}
+            out = model(**inputs, position_ids=pos[None].expand(ids.shape[0], -1), use_cache=False, logits_to_keep=keep)
     finally:
         detach(model)
     logits = out.logits.float()
