@@ -42,9 +42,24 @@ def test_into_needs_an_artifact(tmp_path):
     assert res.exit_code == 2 and "no artifact there" in res.output
 
 
+ROOT = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_20:05:08
+  host      : box
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 16526)
+  error_file: <N/A>
+  traceback : {trace}
+"""
+
+
 def test_failure_line_names_the_rank():
-    log = "noise\n[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:1234\nmore"
-    assert failure_line(log, 1) == "rank 1 failed: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    peer = "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:1234\n"
+    killed = peer + ROOT.format(rank=1, code=-9, trace="Signal 9 (SIGKILL) received by PID 16526")
+    assert failure_line(killed, 1) == "rank 1 died (Signal 9 (SIGKILL) received by PID 16526); torchrun stopped the other ranks"
+    raised = "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: bad shard\n" + ROOT.format(rank=1, code=1, trace="To enable traceback see: ...")
+    assert failure_line(raised, 1) == "rank 1 failed: ValueError: bad shard"
+    assert failure_line(peer, 1) == "rank 0 failed: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
     assert "exit code -9" in failure_line("nothing useful", -9)
 
 
@@ -74,3 +89,62 @@ def test_sweep_end_to_end_tiny_model(tmp_path):
     by = {(r["anchor"], r["passing"]): r for r in payload["rows"]}
     assert all(r["kl"] >= 0 and r["logit_rel_error"] >= 0 for r in by.values())
     assert by[(0, 128)]["bytes_sent"] > by[(0, 0)]["bytes_sent"] > 0  # passing KVs on top of the query partials
+
+
+def _children(pid: int) -> list[int]:
+    """Child pids of `pid`, over all its threads (the launcher starts torchrun from a worker thread)."""
+    import glob
+
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids += [int(p) for p in open(path).read().split()]
+        except FileNotFoundError:
+            pass
+    return kids
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_torchrun_launch(tmp_path):
+    """A rank killed mid-run (SIGKILL, by its pid) ends the launch with one line naming it, and no process of
+    the launch is left behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tiny_model import make_tiny_model
+
+    from sparsesearch.spava.launch import launch
+    from sparsesearch.spava.run import SpavaConfig
+
+    cfg = SpavaConfig(model=make_tiny_model(tmp_path / "tiny"), nproc=2, tokens=[3000, 4000], anchors=[128], passings=[0, 128, 256],
+                      query=16, timeout_s=30)
+    outcome = {}
+
+    def go():
+        try:
+            outcome["result"] = launch(cfg, wall_s=120)
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=go)
+    start = time.monotonic()
+    thread.start()
+    victim = None
+    while victim is None and time.monotonic() - start < 60:
+        time.sleep(0.5)
+        for torchrun in _children(os.getpid()):
+            for pid in _children(torchrun):
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                if b"RANK=1" in env:
+                    victim = pid
+    assert victim is not None, "rank 1 never started"
+    time.sleep(3)  # whatever it is doing then (importing, loading, in a collective), the launch must end
+    os.kill(victim, signal.SIGKILL)
+    thread.join(90)
+    assert not thread.is_alive()
+    assert "error" in outcome and "\n" not in outcome["error"], outcome
+    assert outcome["error"].startswith("rank 1 died (Signal 9"), outcome["error"]
+    assert time.monotonic() - start < 120
+    assert _children(os.getpid()) == []  # torchrun and both ranks are gone

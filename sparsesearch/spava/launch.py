@@ -48,16 +48,29 @@ def preflight(cfg: SpavaConfig) -> None:
 
 
 _RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*(\w*(Error|Exception)\b.*)$")
+_ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
 
 
 def failure_line(log: str, rc: int) -> str:
-    """One line for a failed launch: the first rank error in torchrun's log, else its exit code."""
+    """One line for a failed launch from torchrun's log: the root-cause rank (torchrun's summary) with its
+    signal or its Python error; else the first rank error; else the exit code."""
+    errors = {}
     for line in log.splitlines():
         m = _RANK_ERROR.match(line.strip())
         if m:
-            return f"rank {m.group(1)} failed: {m.group(2)[:300]}"
-    died = re.search(r"local_rank: (\d+) \(pid: \d+\) of binary|exitcode\s*:\s*(-?\d+)", log)
-    return f"a rank died (torchrun exit code {rc}{', ' + died.group(0) if died else ''}); the other ranks were stopped"
+            errors.setdefault(int(m.group(1)), m.group(2)[:300])
+    root = _ROOT.search(log)
+    if root:
+        rank, code, trace = int(root.group(1)), root.group(2), root.group(3).strip()
+        if trace.startswith("Signal"):
+            return f"rank {rank} died ({trace}); torchrun stopped the other ranks"
+        if rank in errors:
+            return f"rank {rank} failed: {errors[rank]}"
+        return f"rank {rank} exited with code {code}; torchrun stopped the other ranks"
+    if errors:
+        rank = min(errors)
+        return f"rank {rank} failed: {errors[rank]}"
+    return f"the launch failed (torchrun exit code {rc}) before any rank reported an error"
 
 
 def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | None = None) -> dict:
