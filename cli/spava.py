@@ -28,7 +28,7 @@ def ints(text: str, what: str) -> list[int | None]:
         raise ValueError(f"{what} takes comma-separated integers or 'default', got {text!r}") from None
 
 
-def run_launch(cfg, json_out: bool, title: str) -> dict:
+def run_launch(cfg, title: str) -> dict:
     """Launch with a status line; a failed rank is one red line and exit 1."""
     from sparsesearch.spava.launch import launch, preflight
 
@@ -76,7 +76,7 @@ def run(
 
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=[tokens], anchors=ints(anchor, "--anchor")[:1],
                       passings=ints(passing, "--passing")[:1], query=query, data=data, backend=backend, timeout_s=timeout)
-    result = run_launch(cfg, json_out, "spava run")
+    result = run_launch(cfg, "spava run")
     if json_out:
         print_json(result)
         return

@@ -45,7 +45,7 @@ def sweep_spava(
     lengths = [n for n in ints(tokens, "--tokens") if n is not None]
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=lengths, anchors=ints(anchor, "--anchor"), passings=ints(passing, "--passing"),
                       query=query, data=data, backend=backend, timeout_s=timeout, bandwidth_gbs=bandwidth)
-    result = run_launch(cfg, json_out, "sweep-spava")
+    result = run_launch(cfg, "sweep-spava")
     path, rec = write_sweep(result, cfg, target, kl_tolerance=kl_tolerance, compose=(target / "manifest.json").is_file())
     png = draw_sweep(result["rows"], target.with_name(target.name + "-spava.png"))
     if json_out:

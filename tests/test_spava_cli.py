@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.app import app
+from sparsesearch_cli.app import app
 from sparsesearch.spava.launch import failure_line
 from sparsesearch.spava.sweep import recommend
 
