@@ -32,10 +32,14 @@ def run_launch(cfg, title: str) -> dict:
     """Launch with a status line; a failed rank is one red line and exit 1."""
     from sparsesearch.spava.launch import launch, preflight
 
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     preflight(cfg)  # bad input: one line, exit 2, before anything starts
+    total = len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)
     try:
-        with err_console.status(f"{title}: {cfg.nproc} processes, {cfg.model}, tokens {cfg.tokens} (exact ring + {len(cfg.anchors) * len(cfg.passings)} SPAVA configurations)"):
-            return launch(cfg)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+            task = bar.add_task(f"{title}: {cfg.nproc} processes, {cfg.model}, loading, exact ring, then SPAVA", total=total)
+            return launch(cfg, tick=lambda done, n: bar.update(task, completed=done, total=n))
     except RuntimeError as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None

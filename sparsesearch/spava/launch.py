@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .group import check_backend, child_env, free_port
-from .run import SpavaConfig, layouts
+from .run import PROGRESS, SpavaConfig, layouts
 
 
 def preflight(cfg: SpavaConfig) -> None:
@@ -73,8 +73,9 @@ def failure_line(log: str, rc: int) -> str:
     return f"the launch failed (torchrun exit code {rc}) before any rank reported an error"
 
 
-def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | None = None) -> dict:
-    """Run the launch; returns rank 0's result dict (rows, exact_engine, ...). RuntimeError on failure."""
+def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | None = None, tick=lambda done, total: None) -> dict:
+    """Run the launch; returns rank 0's result dict (rows, exact_engine, ...). RuntimeError on failure.
+    tick(done, total) is called as rank 0 finishes configurations (read from the ranks' log)."""
     preflight(cfg)
     with tempfile.TemporaryDirectory(prefix="spava-") as tmp:
         result = Path(tmp) / "result.json"
@@ -87,7 +88,7 @@ def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | No
         with open(log_file, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                rc = proc.wait(timeout=wall_s)
+                rc = _wait(proc, Path(log_file), wall_s, tick)
             except subprocess.TimeoutExpired:
                 _end_session(proc)
                 raise RuntimeError(f"SPAVA launch did not finish within {wall_s:.0f} s; its processes were ended") from None
@@ -96,6 +97,22 @@ def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | No
         if rc != 0 or not result.is_file():
             raise RuntimeError(failure_line(Path(log_file).read_text(errors="replace"), rc))
         return json.loads(result.read_text())
+
+
+def _wait(proc: subprocess.Popen, log_file: Path, wall_s: float | None, tick) -> int:
+    """proc.wait with a wall limit (TimeoutExpired past it), calling tick on each progress line of rank 0."""
+    deadline = None if wall_s is None else time.monotonic() + wall_s
+    seen = 0
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() > deadline:
+                raise
+        marks = re.findall(rf"^{PROGRESS} (\d+) (\d+)$", log_file.read_text(errors="replace"), re.M)
+        if len(marks) > seen:
+            seen = len(marks)
+            tick(int(marks[-1][0]), int(marks[-1][1]))
 
 
 def _end_session(proc: subprocess.Popen) -> None:

@@ -25,6 +25,9 @@ from .layout import Layout, check_lengths
 from .model import RankContext, tail_logits
 
 
+PROGRESS = "spava-progress"  # rank 0's stdout marker: "spava-progress <done> <total>"
+
+
 @dataclass
 class SpavaConfig:
     """One launch. anchors/passings: the grid (None entries: the paper defaults for the prompt length)."""
@@ -154,6 +157,8 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                        "exact_engine": engine, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
                 rows.append(row)
+                if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
+                    print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
         if rank == 0 and result_path:
             with open(result_path, "w") as f:
                 json.dump({"rows": rows, "exact_engine": engine, "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
