@@ -51,9 +51,8 @@ def static_index(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, b
     module = pattern(g.pattern)
     if module.DYNAMIC:
         raise ValueError(f"{g.pattern} is estimated from q and k; it has no index from the shape alone")
-    frame = _frame(g.pattern, row_pos)
     return module.build_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m, block_n=g.block_n,
-                              head_space=space, device=device, **frame)
+                              head_space=space, device=device, **_frame(g.pattern, row_pos))
 
 
 def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str, row_pos: torch.Tensor | None = None) -> BlockIndex:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..execute import HeadGroup, StaticIndexCache, attend_boundary, attend_triangle, dense_heads, query_heads, sparse_attend
 from .plan import LayerPlan, Plan
 
-TRIANGLE_BLOCK = 64  # the triangle kernel's tile (kernels/triangle.py)
+TRIANGLE_BLOCK = 64  # block_m = block_n of a TriangleMix layer's streaming index (the artifact does not store one)
 
 
 class Runner:
