@@ -24,6 +24,8 @@ def import_minference(
     """Import a MInference (or Qwen2.5-1M sparse_attention_config.json) per-head config as an artifact.
 
     Heads a layer leaves out get MInference's fallback vertical_and_slash(1000, 6096), recorded in the manifest.
+    On a hybrid model (Gemma 3) a sliding-window layer takes only ["stream_llm", 0, window] (its heads left
+    out get that window); any other entry there is refused.
 
     Example: sparsesearch import-minference Qwen2.5_7B_best_pattern.json --model Qwen/Qwen2.5-7B-Instruct --out runs/qwen-imported
     """

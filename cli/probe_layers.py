@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Annotated
 
@@ -52,12 +54,14 @@ def probe_layers(
                             tick=lambda i, n: bar.update(task, total=n, completed=i))
     r = outcome.result
     middle = r.layer_curve("abs", "middle")
+    # A hybrid model's sliding layers are not probed (NaN): null in JSON, "window" in the table.
+    curve = lambda values: [None if math.isnan(float(x)) else round(float(x), 8) for x in values]
     summary = {
         "artifact": str(outcome.path), "plot": str(outcome.plot) if outcome.plot else None,
         "start_layer": outcome.start_layer, "validated_start_layer": outcome.validated_start,
         "samples": r.samples, "seconds": round(outcome.seconds, 1),
-        "middle_abs_grad_per_layer": [round(float(x), 8) for x in middle],
-        "middle_grad_per_layer": [round(float(x), 8) for x in r.layer_curve("grad", "middle")],
+        "middle_abs_grad_per_layer": curve(middle),
+        "middle_grad_per_layer": curve(r.layer_curve("grad", "middle")),
         "validation": outcome.validation,
     }
     if json_out:
@@ -68,6 +72,9 @@ def probe_layers(
         table.add_column(col, justify="right")
     for layer in range(len(middle)):
         mark = " ◀" if layer == outcome.start_layer else ""
+        if summary["middle_abs_grad_per_layer"][layer] is None:
+            table.add_row(f"{layer}{mark}", "sliding window: not probed", "", "", "", "")
+            continue
         table.add_row(f"{layer}{mark}", f"{float(r.layer_curve('grad', 'middle')[layer]):+.2e}", f"{float(middle[layer]):.2e}",
                       f"{float(r.layer_curve('abs', 'stream')[layer]):.2e}", f"{float(r.layer_curve('abs', 'last')[layer]):.2e}",
                       f"{float(r.layer_curve('att', 'middle')[layer]):.2e}")

@@ -247,6 +247,10 @@ def test_exports_say_what_sliding_layers_are(calibrated, tmp_path):
     assert all(config[layer]["0"][0] != "stream_llm" or config[layer]["0"][1] != 0 for layer in GLOBAL)
     duo = export_duo(art)
     assert [duo[layer] for layer in SLIDING] == [[0], [0], [0]]
+    from sparsesearch.export.json_dump import export_json
+
+    dump = export_json(art)
+    assert dump["sliding_layers"]["layers"] == list(SLIDING) and dump["sliding_layers"]["window"] == GEMMA_WINDOW
     result = CliRunner().invoke(app, ["export", str(calibrated.path), "--format", "flex", "--out", str(tmp_path / "m.safetensors"),
                                       "--tokens", "256"])
     assert result.exit_code == 0, result.output
