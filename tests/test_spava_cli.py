@@ -78,13 +78,13 @@ def test_sweep_end_to_end_tiny_model(tmp_path):
 
     model = make_tiny_model(tmp_path / "tiny")
     out = tmp_path / "art"
-    res = runner.invoke(app, ["sweep-spava", "--model", model, "--nproc", "2", "--tokens", "600", "--anchor", "0,128",
+    res = runner.invoke(app, ["sweep-spava", "--model", model, "--nproc", "2", "--tokens", "1100", "--anchor", "0,128",
                               "--passing", "0,128", "--query", "16", "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     payload = json.loads(res.stdout)
     assert len(payload["rows"]) == 4 and payload["exact_engine"] == "zigzag-ring"
     art = load_artifact(out)
-    assert art.manifest["methods"]["spava"]["recommended"][0]["tokens"] == 600
+    assert art.manifest["methods"]["spava"]["recommended"][0]["tokens"] == 1100
     assert len(art.tables["spava.parquet"]) == 4
     by = {(r["anchor"], r["passing"]): r for r in payload["rows"]}
     assert all(r["kl"] >= 0 and r["logit_rel_error"] >= 0 for r in by.values())
@@ -131,11 +131,12 @@ def test_killed_rank_ends_torchrun_launch(tmp_path):
     thread = threading.Thread(target=go)
     start = time.monotonic()
     thread.start()
-    victim = None
+    victim, launched = None, set()
     while victim is None and time.monotonic() - start < 60:
         time.sleep(0.5)
         for torchrun in _children(os.getpid()):
             for pid in _children(torchrun):
+                launched |= {torchrun, pid}
                 env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
                 if b"RANK=1" in env:
                     victim = pid
@@ -147,4 +148,6 @@ def test_killed_rank_ends_torchrun_launch(tmp_path):
     assert "error" in outcome and "\n" not in outcome["error"], outcome
     assert outcome["error"].startswith("rank 1 died (Signal 9"), outcome["error"]
     assert time.monotonic() - start < 120
-    assert _children(os.getpid()) == []  # torchrun and both ranks are gone
+    # torchrun and both ranks are gone (other children of this pytest process, like multiprocessing's
+    # resource tracker, are not the launch's)
+    assert not [p for p in launched if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
