@@ -151,3 +151,29 @@ def test_killed_rank_ends_torchrun_launch(tmp_path):
     # torchrun and both ranks are gone (other children of this pytest process, like multiprocessing's
     # resource tracker, are not the launch's)
     assert not [p for p in launched if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
+
+
+def test_sweep_composes_into_an_existing_artifact(tmp_path):
+    """methods.spava and spava.parquet are added; heads, layers and the other sections stay as they were."""
+    import shutil
+    from pathlib import Path
+
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch.spava.run import SpavaConfig
+    from sparsesearch.spava.sweep import write_sweep
+
+    ref = Path(__file__).resolve().parents[1] / "artifacts/reference/smollm2-135m-4k"
+    target = tmp_path / "art"
+    shutil.copytree(ref, target)
+    before = load_artifact(target)
+    row = lambda lp, kl: {"tokens": 2048, "nproc": 2, "anchor": 128, "passing": lp, "kl": kl, "modelled_s_w2": 1.0 + lp / 128, "seconds": 9.0}
+    result = {"rows": [row(128, 0.004), row(256, 0.002)], "exact_engine": "zigzag-ring", "torch_cp": "unsupported here",
+              "model": before.manifest["model"]}
+    path, rec = write_sweep(result, SpavaConfig(), target, kl_tolerance=0.01, compose=True)
+    after = load_artifact(path)
+    assert rec == [{"tokens": 2048, "anchor": 128, "passing": 128, "kl": 0.004, "qualified": True}]
+    assert after.manifest["methods"]["spava"]["recommended"] == rec
+    for kept in ("mminference", "trianglemix"):
+        assert after.manifest["methods"][kept] == before.manifest["methods"][kept]
+    assert after.heads.equals(before.heads) and after.tables["layers.parquet"].equals(before.tables["layers.parquet"])
+    assert list(after.tables["spava.parquet"]["passing"]) == [128, 256]
