@@ -52,6 +52,8 @@ def test_defaults_and_length_rules():
         check_lengths(Layout(2048, 16, 2, 100, 128))
     with pytest.raises(ValueError, match="larger than a block"):
         check_lengths(Layout(1024, 16, 4, 0, 256))
+    with pytest.raises(ValueError, match=r"anchor \(l_a\) 512 is larger than a block"):
+        check_lengths(Layout(2048, 16, 4, 512, 128))
     with pytest.raises(ValueError, match="larger than this context allows"):
         Layout(10, 2, 8, 0, 0)
     with pytest.raises(ValueError, match="nproc must be >= 1"):

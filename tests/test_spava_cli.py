@@ -22,6 +22,7 @@ runner = CliRunner()
     (["spava", "run", "--passing", "200"], "passing (l_p) must be a multiple of 128"),
     (["spava", "run", "--tokens", "2048", "--passing", "1024"], "larger than a block"),
     (["spava", "run", "--tokens", "1024", "--nproc", "600"], "larger than this context allows"),
+    (["spava", "run", "--tokens", "2048", "--nproc", "4", "--anchor", "512"], "anchor (l_a) 512 is larger than a block"),
     (["spava", "run", "--backend", "nccl"], "no CUDA device"),
     (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
     (["sweep-spava", "--passing", "128,100"], "multiple of 128"),

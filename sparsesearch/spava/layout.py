@@ -96,11 +96,12 @@ class Layout:
 
 
 def check_lengths(layout: Layout, *, multiple: int = MULTIPLE) -> None:
-    """The run-level rules on l_a / l_p (§7): multiples of `multiple` and l_p no larger than a block."""
+    """The run-level rules on l_a / l_p (§7): multiples of `multiple`, neither larger than a block (the
+    anchor is attended by every row and computed on every rank: past a block it outweighs the split)."""
     for name, value in (("anchor (l_a)", layout.l_a), ("passing (l_p)", layout.l_p)):
         if value % multiple:
             raise ValueError(f"{name} must be a multiple of {multiple}, got {value}")
     if layout.l_p > layout.longest:
         raise ValueError(f"passing (l_p) {layout.l_p} is larger than a block ({layout.longest} tokens at nproc {layout.world})")
-    if layout.l_a > layout.n_ctx - layout.hosts:
-        raise ValueError(f"anchor (l_a) {layout.l_a} leaves no context for the blocks of {layout.n_ctx} tokens")
+    if layout.l_a > layout.longest:
+        raise ValueError(f"anchor (l_a) {layout.l_a} is larger than a block ({layout.longest} tokens at nproc {layout.world})")
