@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, sweep_nosa, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, spava, sweep_nosa, sweep_spava, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -23,6 +23,8 @@ app.command("export")(export.export)
 app.command("import-minference")(import_minference.import_minference)
 app.command("diff")(diff.diff)
 app.command("sweep-nosa")(sweep_nosa.sweep_nosa)
+app.add_typer(spava.app, name="spava")
+app.command("sweep-spava")(sweep_spava.sweep_spava)
 
 
 @app.callback()

@@ -1,0 +1,87 @@
+"""`sparsesearch spava run`: SPAVA prefill (paper 001) on torch.distributed, with the exact baseline in the same launch."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from .common import JsonOpt, err_console, exits_cleanly, out_console, print_json
+
+app = typer.Typer(help="SPAVA: sequence-parallel approximate prefill (paper 001) on torch.distributed.", no_args_is_help=True)
+
+ModelOpt = Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")]
+NprocOpt = Annotated[int, typer.Option(help="Processes (ranks); one GPU each with NCCL.")]
+QueryOpt = Annotated[int, typer.Option(help="Query block: the prompt's last N tokens.")]
+DataOpt = Annotated[str, typer.Option(help="text (natural prose, perplexity), synthetic:passkey / synthetic:kv-retrieval (retrieval), synthetic:frames, or a data file.")]
+BackendOpt = Annotated[str, typer.Option(help="auto (nccl with GPUs, gloo without), gloo or nccl.")]
+TimeoutOpt = Annotated[float, typer.Option(help="Seconds any collective may wait: a dead rank ends the run instead of hanging it.")]
+BandwidthOpt = Annotated[float, typer.Option(help="Link bandwidth (GB/s) of the modelled latency at W = 2/4/8.")]
+
+
+def ints(text: str, what: str) -> list[int | None]:
+    """'128,256,default' -> [128, 256, None]; one line on anything else."""
+    try:
+        return [None if t.strip() == "default" else int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers or 'default', got {text!r}") from None
+
+
+def run_launch(cfg, title: str) -> dict:
+    """Launch with a status line; a failed rank is one red line and exit 1."""
+    from sparsesearch.spava.launch import launch, preflight
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    preflight(cfg)  # bad input: one line, exit 2, before anything starts
+    total = len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
+            task = bar.add_task(f"{title}: {cfg.nproc} processes, {cfg.model}, loading, exact ring, then SPAVA", total=total)
+            return launch(cfg, tick=lambda done, n: bar.update(task, completed=done, total=n))
+    except RuntimeError as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+
+
+def rows_table(result: dict, title: str) -> Table:
+    table = Table(title=f"{title} · exact: {result['exact_engine']}")
+    cols = ("tokens", "l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact", "model W=4 s", "W=8 s")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in result["rows"]:
+        retrieved = f"{r['retrieved']:d} / {r['retrieved_exact']:d}" if "retrieved" in r else "-"
+        table.add_row(str(r["tokens"]), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
+                      f"{r['ppl']:.2f} / {r['ppl_exact']:.2f}", retrieved, f"{r['seconds']:.2f} / {r['seconds_exact']:.2f}",
+                      f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", f"{r['modelled_s_w4']:.2f}", f"{r['modelled_s_w8']:.2f}")
+    return table
+
+
+@app.command("run")
+@exits_cleanly
+def run(
+    model: ModelOpt = "smollm2-135m",
+    nproc: NprocOpt = 2,
+    tokens: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
+    anchor: Annotated[str, typer.Option(help="l_a, a multiple of 128, or 'default' (n/64 rounded up).")] = "default",
+    passing: Annotated[str, typer.Option(help="l_p per virtual host, a multiple of 128, or 'default' (n/128 rounded up).")] = "default",
+    query: QueryOpt = 64,
+    data: DataOpt = "text",
+    backend: BackendOpt = "auto",
+    timeout: TimeoutOpt = 300.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """One SPAVA prefill against exact sequence parallelism, same launch, same process group.
+
+    Example: sparsesearch spava run --model smollm2-135m --nproc 2 --tokens 2048
+    """
+    from sparsesearch.spava.run import SpavaConfig
+
+    cfg = SpavaConfig(model=model, nproc=nproc, tokens=[tokens], anchors=ints(anchor, "--anchor")[:1],
+                      passings=ints(passing, "--passing")[:1], query=query, data=data, backend=backend, timeout_s=timeout)
+    result = run_launch(cfg, "spava run")
+    if json_out:
+        print_json(result)
+        return
+    out_console.print(rows_table(result, f"SPAVA {model}, {nproc} processes"))

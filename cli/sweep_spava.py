@@ -1,0 +1,57 @@
+"""`sparsesearch sweep-spava`: a grid of SPAVA's l_a x l_p against exact, written into an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .spava import BackendOpt, BandwidthOpt, DataOpt, ModelOpt, NprocOpt, QueryOpt, TimeoutOpt, ints, rows_table, run_launch
+
+
+@exits_cleanly
+def sweep_spava(
+    model: ModelOpt = "smollm2-135m",
+    nproc: NprocOpt = 2,
+    anchor: Annotated[str, typer.Option(help="Comma-separated l_a values (multiples of 128; 'default' = n/64 rounded up).")] = "128,256",
+    passing: Annotated[str, typer.Option(help="Comma-separated l_p values (multiples of 128; 'default' = n/128 rounded up).")] = "128,256",
+    tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "2048",
+    query: QueryOpt = 64,
+    data: DataOpt = "text",
+    kl_tolerance: Annotated[float, typer.Option(help="A configuration qualifies at next-token KL <= this (and retrieval no worse than exact).")] = 0.01,
+    bandwidth: BandwidthOpt = 100.0,
+    backend: BackendOpt = "auto",
+    timeout: TimeoutOpt = 300.0,
+    out: Annotated[Path, typer.Option(help="Artifact directory written (spava.parquet + manifest), PNG beside it.")] = Path("artifacts/smollm2-135m-spava"),
+    into: Annotated[Path | None, typer.Option(help="An existing artifact to add the spava section to (its other sections kept).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Sweep l_a x l_p against exact: KL, perplexity, retrieval, bytes, measured and modelled latency.
+
+    Example: sparsesearch sweep-spava --model smollm2-135m --nproc 2 --tokens 2048 --anchor 128,256 --passing 128,256
+    """
+    from sparsesearch.spava.run import SpavaConfig
+    from sparsesearch.spava.sweep import draw_sweep, write_sweep
+
+    if into is not None and not (into / "manifest.json").is_file():
+        raise ValueError(f"--into {into}: no artifact there (manifest.json missing)")
+    target = into or out
+    if into is None and (out / "manifest.json").is_file():
+        from sparsesearch.artifacts import load_artifact
+
+        load_artifact(out)  # a broken artifact at --out is refused before the launch
+    lengths = [n for n in ints(tokens, "--tokens") if n is not None]
+    cfg = SpavaConfig(model=model, nproc=nproc, tokens=lengths, anchors=ints(anchor, "--anchor"), passings=ints(passing, "--passing"),
+                      query=query, data=data, backend=backend, timeout_s=timeout, bandwidth_gbs=bandwidth)
+    result = run_launch(cfg, "sweep-spava")
+    path, rec = write_sweep(result, cfg, target, kl_tolerance=kl_tolerance, compose=(target / "manifest.json").is_file())
+    png = draw_sweep(result["rows"], target.with_name(target.name + "-spava.png"))
+    if json_out:
+        print_json({"artifact": str(path), "plot": str(png), "recommended": rec, **result})
+        return
+    out_console.print(rows_table(result, f"sweep-spava {model}, {nproc} processes"))
+    for r in rec:
+        err_console.print(f"{r['tokens']} tokens: recommended l_a={r['anchor']} l_p={r['passing']} (KL {r['kl']:.2e}{'' if r['qualified'] else ', none within tolerance'})")
+    err_console.print(f"artifact: {path} · plot: {png}")

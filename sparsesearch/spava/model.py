@@ -1,0 +1,126 @@
+"""SPAVA inside a transformers model: each rank runs every layer on its local tokens only.
+
+Registration goes through ``AttentionInterface.register`` (and a mask function that builds no mask:
+our attention knows its own structure), as runtime/hf.py does. The per-run facts — mode, layout,
+the rank's global positions, the process group — live in one ``RankContext`` that ``attach`` sets on
+every attention module of the text model (the way runtime/hf.py hands its Runner over) and
+``detach`` removes.
+
+Modes: "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query])
+and "ring" (exact zigzag ring attention over the zigzag sharding, exact.py). A hybrid model's
+sliding-window layers run exactly in both modes: under SPAVA each rank all-gathers the last `window`
+keys of every virtual host's block (a halo), enough for every local row's window (sliding.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .attention import spava_attention
+from .exact import ring_attention, zigzag_positions
+from .layout import Layout
+
+ATTN_NAME = "sparsesearch_spava"
+_CTX = "_sparsesearch_spava_ctx"
+
+
+@dataclass
+class RankContext:
+    """What one rank's attention calls need. pos: long [N_r] global positions of the local tokens."""
+
+    mode: str
+    n: int
+    pos: torch.Tensor
+    layout: Layout | None = None
+    group: object = None
+    stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def spava(cls, layout: Layout, rank: int, group=None) -> "RankContext":
+        return cls("spava", layout.n, torch.tensor(layout.local_positions(rank)), layout, group)
+
+    @classmethod
+    def ring(cls, n: int, rank: int, world: int, group=None) -> "RankContext":
+        return cls("ring", n, torch.tensor(zigzag_positions(n, world, rank)), None, group)
+
+
+def spava_hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """AttentionInterface function: q [B, Hq, N_r, D], k/v [B, Hkv, N_r, D] post-RoPE -> ([B, N_r, Hq, D], None)."""
+    ctx: RankContext = getattr(module, _CTX)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = getattr(module, "sliding_window", None)  # set on a hybrid model's sliding layers only
+    rank = dist.get_rank(ctx.group)
+    start = time.perf_counter()
+    if ctx.mode == "ring":
+        out = ring_attention(query, key, value, ctx.pos.to(query.device), ctx.n, scale, ctx.group, window=window, stats=ctx.stats)
+    elif window is not None:
+        from .sliding import sliding_attention
+
+        out = sliding_attention(query, key, value, ctx.layout, rank, scale, window, ctx.group, stats=ctx.stats)
+    else:
+        out = spava_attention(query, key, value, ctx.layout, rank, scale, ctx.group, stats=ctx.stats)
+    ctx.stats["attention_s"] = ctx.stats.get("attention_s", 0.0) + time.perf_counter() - start
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def attach(model, ctx: RankContext) -> None:
+    """Route the model's attention through SPAVA / the ring for this rank (undo with ``detach``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ..runtime.hf import _attention_modules, model_info
+
+    info = model_info(model)
+    AttentionInterface.register(ATTN_NAME, spava_hf_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    modules = list(_attention_modules(model, info.num_layers))
+    if len(modules) != info.num_layers:
+        raise ValueError(f"found {len(modules)} attention modules for {info.num_layers} layers; unsupported model layout")
+    for module in modules:
+        setattr(module, _CTX, ctx)
+    if not hasattr(model, "_spava_previous_attn"):
+        model._spava_previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+
+
+def detach(model) -> None:
+    for module in model.modules():
+        if hasattr(module, _CTX):
+            delattr(module, _CTX)
+    previous = getattr(model, "_spava_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model._spava_previous_attn
+
+
+def tail_logits(model, ids: torch.Tensor, ctx: RankContext, tail: int, *, owner: bool, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """One prefill of this rank's tokens; logits of the last `tail` positions of the whole prompt.
+
+    ids long [B, n] (the whole prompt: every rank holds the token ids, only its own pass the layers);
+    embeds [B, n, hidden], when given, are fed instead (a VLM's merged embeddings, vision.py).
+    owner: whether this rank contributes the tail positions it holds (the query is replicated under
+    SPAVA, so only one rank contributes there). Returns fp32 [B, tail, V], identical on every rank.
+    """
+    attach(model, ctx)
+    try:
+        pos = ctx.pos.to(ids.device)
+        keep = (pos >= ctx.n - tail).nonzero().flatten()
+        with torch.no_grad():
+            inputs = {"input_ids": ids[:, pos]} if embeds is None else {"inputs_embeds": embeds[:, pos]}
+            out = model(**inputs, position_ids=pos[None].expand(ids.shape[0], -1), use_cache=False, logits_to_keep=keep)
+    finally:
+        detach(model)
+    logits = out.logits.float()
+    buf = logits.new_zeros((ids.shape[0], tail, logits.shape[-1]))
+    if owner:
+        buf[:, pos[keep] - (ctx.n - tail)] = logits
+    dist.all_reduce(buf, group=ctx.group)
+    return buf

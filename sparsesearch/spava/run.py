@@ -1,0 +1,193 @@
+"""The per-rank program of `sparsesearch spava run` / `sweep-spava` (started by torchrun, launch.py).
+
+One launch: every rank loads the model, builds the same prompts, runs the exact baseline once per prompt
+and SPAVA once per (l_a, l_p) of the grid, all on the same process group. Rank 0 writes the rows (JSON)
+that the launcher turns into a table, Parquet, an artifact section and a plot.
+
+Prompt = [context ; query]; the query block is the last `query` tokens. Quality is measured on the query
+tokens — the ones whose outputs SPAVA's prefill produces for decoding: logits relative error and
+next-token KL vs exact, perplexity of the prompt's own next tokens there (natural text), and, on
+retrieval prompts, whether the answer comes out (teacher-forced: the answer's tokens are appended to the
+query and each must be the argmax at the position before it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout, check_lengths
+from .model import RankContext, tail_logits
+
+
+PROGRESS = "spava-progress"  # rank 0's stdout marker: "spava-progress <done> <total>"
+
+
+@dataclass
+class SpavaConfig:
+    """One launch. anchors/passings: the grid (None entries: the paper defaults for the prompt length)."""
+
+    model: str = "smollm2-135m"
+    nproc: int = 2
+    tokens: list[int] = field(default_factory=lambda: [2048])
+    anchors: list[int | None] = field(default_factory=lambda: [None])
+    passings: list[int | None] = field(default_factory=lambda: [None])
+    query: int = 64
+    data: str = "text"
+    backend: str = "auto"
+    dtype: str = "auto"
+    timeout_s: float = 300.0
+    seed: int = 0
+    bandwidth_gbs: float = 100.0  # link bandwidth for the modelled latency (GB/s; NVLink-class default)
+
+
+def layouts(cfg: SpavaConfig, n: int) -> list[Layout]:
+    """The grid at prompt length n, checked (bad input raises ValueError before anything runs)."""
+    from .layout import default_lengths
+
+    la0, lp0 = default_lengths(n)
+    out = []
+    for la in cfg.anchors:
+        for lp in cfg.passings:
+            lay = Layout(n - cfg.query, cfg.query, cfg.nproc, la0 if la is None else la, lp0 if lp is None else lp)
+            check_lengths(lay)
+            out.append(lay)
+    return list(dict.fromkeys(out))
+
+
+def natural_text_ids(tokenizer, n: int, seed: int) -> torch.Tensor:
+    """n tokens of natural English prose: the standard library's pydoc topics, from a seeded offset."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise ValueError(f"natural text has {len(ids)} tokens, fewer than {n}")
+    start = random.Random(seed).randrange(0, len(ids) - n + 1)
+    return torch.tensor(ids[start : start + n])
+
+
+def build_prompt(cfg: SpavaConfig, tokenizer, n: int) -> tuple[torch.Tensor, int]:
+    """-> (ids long [1, n'], answer tokens at the end of ids, 0 for natural text)."""
+    if cfg.data == "text":
+        return natural_text_ids(tokenizer, n, cfg.seed)[None], 0
+    from ..data import held_out
+
+    sample = held_out(cfg.data, tokenizer, max_tokens=n - 8, seed=cfg.seed)
+    if sample.answer_ids is None:
+        return sample.input_ids[None], 0
+    answer = sample.answer_ids
+    return torch.cat([sample.input_ids, answer])[None], int(answer.numel())
+
+
+def quality(logits: torch.Tensor, exact: torch.Tensor, ids: torch.Tensor, answer: int) -> dict:
+    """logits, exact fp32 [B, q, V] over the query positions; ids long [B, n]."""
+    q = logits.shape[1]
+    lp, le = torch.log_softmax(logits, -1), torch.log_softmax(exact, -1)
+    targets = ids[:, -q + 1 :]  # the next token of each query position but the last
+    nll = lambda l: float(-l[:, :-1].gather(-1, targets[..., None]).mean())
+    row = {
+        "logit_rel_error": float((logits - exact).norm() / exact.norm()),
+        "kl": float((le.exp() * (le - lp)).sum(-1).mean()),
+        "ppl": math.exp(nll(lp)), "ppl_exact": math.exp(nll(le)),
+        "top1_agreement": float((logits.argmax(-1) == exact.argmax(-1)).float().mean()),
+    }
+    if answer:
+        want = ids[:, -answer:]
+        got = lambda l: bool((l[:, -answer - 1 : -1].argmax(-1) == want).all())
+        row.update(retrieved=got(logits), retrieved_exact=got(exact))
+    return row
+
+
+def _timed(fn, group):
+    """(result, seconds on this rank, seconds of the slowest rank)."""
+    dist.barrier(group)
+    start = time.perf_counter()
+    res = fn()
+    mine = time.perf_counter() - start
+    slowest = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return res, mine, float(slowest)
+
+
+def _max_over_ranks(x: float, group) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
+    """Run the launch on this rank (the process group is initialised here). Rank 0 writes the rows."""
+    from ..models import load_model
+    from .exact import torch_cp_support
+    from .group import check_backend, init_group
+
+    backend = check_backend(cfg.backend, cfg.nproc)
+    rank, world, device = init_group(backend, cfg.timeout_s)
+    try:
+        model, tok, info = load_model(cfg.model, dtype=cfg.dtype, device=device.type)
+        # torch's context_parallel is probed and reported; the model path runs the zigzag ring either way
+        # (torch 2.13 has no CPU sharding rule for SDPA; the CP model path on GPUs is not written yet).
+        cp_reason = torch_cp_support(device)
+        engine = "zigzag-ring"
+        rows = []
+        for n in cfg.tokens:
+            ids, answer = build_prompt(cfg, tok, n)
+            ids = ids.to(device)
+            n_real = ids.shape[1]
+            warm = ids[:, : min(n_real, 256)]  # first-call costs (allocator, thread pools) out of the timings
+            tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
+            ring_ctx = RankContext.ring(n_real, rank, world)
+            exact, t_exact_mine, t_exact = _timed(lambda: tail_logits(model, ids, ring_ctx, cfg.query, owner=True), None)
+            for lay in layouts(cfg, n_real):
+                ctx = RankContext.spava(lay, rank)
+                logits, t_mine, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
+                row = {"tokens": n_real, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
+                       "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
+                       "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
+                       "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
+                       "bytes_sent_exact": int(_max_over_ranks(ring_ctx.stats.get("bytes_sent", 0), None)),
+                       "exact_engine": engine, "backend": backend, **quality(logits, exact, ids, answer)}
+                row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
+                rows.append(row)
+                if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
+                    print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
+        if rank == 0 and result_path:
+            with open(result_path, "w") as f:
+                json.dump({"rows": rows, "exact_engine": engine, "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
+        return rows
+    finally:
+        dist.destroy_process_group()
+
+
+def attention_flops(n_ctx: int, q: int, world: int, l_a: int, l_p: int, d: int, heads: int) -> float:
+    """Per-rank attention FLOPs of one layer (paper 001 Eq. 7, plus the query partial over 1/W of the context)."""
+    lb = max(1, (n_ctx - l_a) // (2 * world))
+    ctx = 2 * l_a**2 * d + 4 * lb**2 * d + 4 * (2 * world - 1) * min(l_p, lb) * lb * d
+    return heads * (ctx + 4 * q * (n_ctx / world + q) * d)
+
+
+def modelled_latency(row: dict, info, bandwidth_gbs: float) -> dict:
+    """Latency at W = 2/4/8 from this run's per-rank compute: attention time scaled by Eq. 7 FLOPs, the rest
+    (projections, MLP) by local tokens; communication (per-rank bytes at W over the link) overlaps the
+    attention, so a layer costs max(attention, communication)."""
+    n, q, w, la, lp = row["tokens"], row["query"], row["nproc"], row["anchor"], row["passing"]
+    n_ctx, d, hq, hkv = n - q, info.head_dim, info.num_heads, info.num_kv_heads
+    local = lambda world: la + 2 * ((n_ctx - la) / (2 * world)) + q
+    attn_rate = row["attention_seconds"] / attention_flops(n_ctx, q, w, la, lp, d, hq)
+    rest_rate = max(0.0, row["seconds"] - row["attention_seconds"]) / local(w)
+    out = {}
+    for world in (2, 4, 8):
+        p = min(lp, (n_ctx - la) // (2 * world))
+        sent = info.num_layers * (2 * p * hkv * 2 * d * 2 + q * hq * d * 2 + q * hq * 4) * (world - 1)
+        comm = sent / (bandwidth_gbs * 1e9)
+        attn = attn_rate * attention_flops(n_ctx, q, world, la, lp, d, hq)
+        out[f"modelled_s_w{world}"] = rest_rate * local(world) + max(attn, comm)
+    return out

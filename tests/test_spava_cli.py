@@ -1,0 +1,180 @@
+"""`sparsesearch spava run` / `sweep-spava`: bad input is exit 2 with one line and nothing written;
+the launcher's failure line; the recommendation rule; an end-to-end sweep on the tiny model (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sparsesearch_cli.app import app
+from sparsesearch.spava.launch import failure_line
+from sparsesearch.spava.sweep import recommend
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["spava", "run", "--nproc", "0"], "nproc must be >= 1"),
+    (["spava", "run", "--nproc", "-3"], "nproc must be >= 1"),
+    (["spava", "run", "--anchor", "100"], "anchor (l_a) must be a multiple of 128"),
+    (["spava", "run", "--passing", "200"], "passing (l_p) must be a multiple of 128"),
+    (["spava", "run", "--tokens", "2048", "--passing", "1024"], "larger than a block"),
+    (["spava", "run", "--tokens", "1024", "--nproc", "600"], "larger than this context allows"),
+    (["spava", "run", "--tokens", "2048", "--nproc", "4", "--anchor", "512"], "anchor (l_a) 512 is larger than a block"),
+    (["spava", "run", "--backend", "nccl"], "no CUDA device"),
+    (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
+    (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
+    (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
+])
+def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
+    out = tmp_path / "art"
+    extra = ["--out", str(out)] if args[0] == "sweep-spava" else []
+    res = runner.invoke(app, args + extra)
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], res.output
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_into_needs_an_artifact(tmp_path):
+    res = runner.invoke(app, ["sweep-spava", "--into", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no artifact there" in res.output
+
+
+ROOT = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-23_20:05:08
+  host      : box
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 16526)
+  error_file: <N/A>
+  traceback : {trace}
+"""
+
+
+def test_failure_line_names_the_rank():
+    peer = "[rank0]: RuntimeError: Connection closed by peer [127.0.0.1]:1234\n"
+    killed = peer + ROOT.format(rank=1, code=-9, trace="Signal 9 (SIGKILL) received by PID 16526")
+    assert failure_line(killed, 1) == "rank 1 died (Signal 9 (SIGKILL) received by PID 16526); torchrun stopped the other ranks"
+    raised = "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: bad shard\n" + ROOT.format(rank=1, code=1, trace="To enable traceback see: ...")
+    assert failure_line(raised, 1) == "rank 1 failed: ValueError: bad shard"
+    assert failure_line(peer, 1) == "rank 0 failed: RuntimeError: Connection closed by peer [127.0.0.1]:1234"
+    assert "exit code -9" in failure_line("nothing useful", -9)
+
+
+def test_recommend_prefers_fast_within_tolerance():
+    row = lambda la, lp, kl, s: {"tokens": 2048, "nproc": 2, "anchor": la, "passing": lp, "kl": kl, "modelled_s_w2": s}
+    rows = [row(128, 128, 0.02, 1.0), row(128, 256, 0.004, 1.5), row(256, 256, 0.003, 2.0)]
+    assert recommend(rows, 0.01) == [{"tokens": 2048, "anchor": 128, "passing": 256, "kl": 0.004, "qualified": True}]
+    assert recommend(rows, 0.001)[0] | {} == {"tokens": 2048, "anchor": 256, "passing": 256, "kl": 0.003, "qualified": False}
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_tiny_model(tmp_path):
+    from tiny_model import make_tiny_model
+
+    from sparsesearch.artifacts import load_artifact
+
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "art"
+    res = runner.invoke(app, ["sweep-spava", "--model", model, "--nproc", "2", "--tokens", "1100", "--anchor", "0,128",
+                              "--passing", "0,128", "--query", "16", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(res.stdout)
+    assert len(payload["rows"]) == 4 and payload["exact_engine"] == "zigzag-ring"
+    art = load_artifact(out)
+    assert art.manifest["methods"]["spava"]["recommended"][0]["tokens"] == 1100
+    assert len(art.tables["spava.parquet"]) == 4
+    by = {(r["anchor"], r["passing"]): r for r in payload["rows"]}
+    assert all(r["kl"] >= 0 and r["logit_rel_error"] >= 0 for r in by.values())
+    assert by[(0, 128)]["bytes_sent"] > by[(0, 0)]["bytes_sent"] > 0  # passing KVs on top of the query partials
+
+
+def _children(pid: int) -> list[int]:
+    """Child pids of `pid`, over all its threads (the launcher starts torchrun from a worker thread)."""
+    import glob
+
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            kids += [int(p) for p in open(path).read().split()]
+        except FileNotFoundError:
+            pass
+    return kids
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_torchrun_launch(tmp_path):
+    """A rank killed mid-run (SIGKILL, by its pid) ends the launch with one line naming it, and no process of
+    the launch is left behind."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tiny_model import make_tiny_model
+
+    from sparsesearch.spava.launch import launch
+    from sparsesearch.spava.run import SpavaConfig
+
+    cfg = SpavaConfig(model=make_tiny_model(tmp_path / "tiny"), nproc=2, tokens=[3000, 4000], anchors=[128], passings=[0, 128, 256],
+                      query=16, timeout_s=30)
+    outcome = {}
+
+    def go():
+        try:
+            outcome["result"] = launch(cfg, wall_s=120)
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=go)
+    start = time.monotonic()
+    thread.start()
+    victim, launched = None, set()
+    while victim is None and time.monotonic() - start < 60:
+        time.sleep(0.5)
+        for torchrun in _children(os.getpid()):
+            for pid in _children(torchrun):
+                launched |= {torchrun, pid}
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                if b"RANK=1" in env:
+                    victim = pid
+    assert victim is not None, "rank 1 never started"
+    time.sleep(3)  # whatever it is doing then (importing, loading, in a collective), the launch must end
+    os.kill(victim, signal.SIGKILL)
+    thread.join(90)
+    assert not thread.is_alive()
+    assert "error" in outcome and "\n" not in outcome["error"], outcome
+    assert outcome["error"].startswith("rank 1 died (Signal 9"), outcome["error"]
+    assert time.monotonic() - start < 120
+    # torchrun and both ranks are gone (other children of this pytest process, like multiprocessing's
+    # resource tracker, are not the launch's)
+    assert not [p for p in launched if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"]
+
+
+def test_sweep_composes_into_an_existing_artifact(tmp_path):
+    """methods.spava and spava.parquet are added; heads, layers and the other sections stay as they were."""
+    import shutil
+    from pathlib import Path
+
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch.spava.run import SpavaConfig
+    from sparsesearch.spava.sweep import write_sweep
+
+    ref = Path(__file__).resolve().parents[1] / "artifacts/reference/smollm2-135m-4k"
+    target = tmp_path / "art"
+    shutil.copytree(ref, target)
+    before = load_artifact(target)
+    row = lambda lp, kl: {"tokens": 2048, "nproc": 2, "anchor": 128, "passing": lp, "kl": kl, "modelled_s_w2": 1.0 + lp / 128, "seconds": 9.0}
+    result = {"rows": [row(128, 0.004), row(256, 0.002)], "exact_engine": "zigzag-ring", "torch_cp": "unsupported here",
+              "model": before.manifest["model"]}
+    path, rec = write_sweep(result, SpavaConfig(), target, kl_tolerance=0.01, compose=True)
+    after = load_artifact(path)
+    assert rec == [{"tokens": 2048, "anchor": 128, "passing": 128, "kl": 0.004, "qualified": True}]
+    assert after.manifest["methods"]["spava"]["recommended"] == rec
+    for kept in ("mminference", "trianglemix"):
+        assert after.manifest["methods"][kept] == before.manifest["methods"][kept]
+    assert after.heads.equals(before.heads) and after.tables["layers.parquet"].equals(before.tables["layers.parquet"])
+    assert list(after.tables["spava.parquet"]["passing"]) == [128, 256]
