@@ -1,31 +1,34 @@
-"""Offloaded NOSA decode: the block gather kernel vs its torch twin, the engine holds exactly the selected
+"""Offloaded NOSA decode: missed blocks land in their slots through kernels/gather.py, the engine holds exactly the selected
 blocks and attends exactly over them, and generate() through the Cache subclass (batch 2, different
 lengths) equals dense decoding when the budget covers the context."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from sparsesearch.kernels.block_gather import gather_blocks, gather_blocks_torch
 from sparsesearch.nosa.config import make_config
-from sparsesearch.nosa.engine import disable_nosa, enable_nosa
+from sparsesearch.nosa.engine import _gather, disable_nosa, enable_nosa
 from sparsesearch.runtime.offload_cache import NosaLayer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_kernel_equals_torch(dtype):
+def test_missed_blocks_land_in_their_slots(dtype):
+    """The engine's store/slot layouts through kernels/gather.py: slot s of (b, h) holds block j of (b, h)."""
     torch.manual_seed(0)
     store_k, store_v = torch.randn(2, 3, 256, 16).to(dtype), torch.randn(2, 3, 256, 16).to(dtype)
-    slots = [torch.zeros(2, 3, 4, 32, 16, dtype=dtype) for _ in range(4)]
+    layer = SimpleNamespace(keys_host=store_k, values_host=store_v,
+                            slots_k=torch.zeros(2, 3, 4, 32, 16, dtype=dtype), slots_v=torch.zeros(2, 3, 4, 32, 16, dtype=dtype))
     b, h = torch.tensor([0, 1, 1, 0, 1]), torch.tensor([2, 0, 1, 1, 2])
     blocks, slot_ids = torch.tensor([7, 0, 3, 5, 6]), torch.tensor([3, 0, 2, 1, 0])
-    gather_blocks(store_k, store_v, slots[0], slots[1], b, h, blocks, slot_ids)
-    gather_blocks_torch(store_k, store_v, slots[2], slots[3], b, h, blocks, slot_ids)
-    assert torch.equal(slots[0], slots[2]) and torch.equal(slots[1], slots[3])
-    assert torch.equal(slots[0][1, 1, 2], store_k[1, 1, 96:128])
-    with pytest.raises(ValueError, match="past the store's capacity"):
-        gather_blocks(store_k, store_v, slots[0], slots[1], b, h, torch.tensor([8, 0, 0, 0, 0]), slot_ids)
+    _gather(layer, b, h, blocks, slot_ids)
+    for i in range(5):
+        rows = slice(int(blocks[i]) * 32, (int(blocks[i]) + 1) * 32)
+        assert torch.equal(layer.slots_k[b[i], h[i], slot_ids[i]], store_k[b[i], h[i], rows])
+        assert torch.equal(layer.slots_v[b[i], h[i], slot_ids[i]], store_v[b[i], h[i], rows])
+    assert int((layer.slots_k.flatten(3).abs().sum(-1) > 0).sum()) == 5, "no other slot written"
 
 
 def dense_over(layer: NosaLayer, q: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

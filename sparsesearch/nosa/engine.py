@@ -15,7 +15,7 @@ Prefill runs dense attention (SDPA) and fills the host store, one row per sequen
 batched over sequences and KV heads: compressed keys grow by one unit every ``stride`` tokens, the
 query-agnostic scores are recomputed when a sequence starts a new block, the selection (nosa.selection)
 picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
-(kernels.block_gather; the previous tail block moves from the tail slot, never from the host).
+(kernels/gather.py; the previous tail block moves from the tail slot, never from the host).
 Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
 """
 
@@ -90,7 +90,7 @@ class OffloadedLayer:
         cfg = self.cfg
         self.scale, self.kv_heads, self.group = scale, kv_heads, queries.shape[1] // kv_heads
         self.lengths = (n - starts).to(keys.device)
-        capacity = max(2 * n, n + 256)
+        capacity = _whole_blocks(max(2 * n, n + 256), cfg.block)
         self.keys_host = _pinned((batch, kv_heads, capacity, dim), keys.dtype, keys)
         self.values_host = _pinned((batch, kv_heads, capacity, dim), keys.dtype, keys)
         hist = max(OBS_WINDOW, cfg.block)
@@ -130,7 +130,7 @@ class OffloadedLayer:
         cap = self.keys_host.shape[2]
         if need <= cap:
             return
-        new = max(need, 2 * cap)
+        new = _whole_blocks(max(need, 2 * cap), self.cfg.block)
         for name in ("keys_host", "values_host"):
             old = getattr(self, name)
             grown = _pinned((*old.shape[:2], new, old.shape[-1]), old.dtype, self.slots_k)
@@ -223,8 +223,6 @@ class OffloadedLayer:
         """Slot map by set difference: slots whose block stays selected keep it; the newly selected blocks
         take the freed slots in block order; the previous tail block comes from the tail slot, others from
         the host store."""
-        from ..kernels.block_gather import gather_blocks
-
         cfg = self.cfg
         batch, kv_heads, n_blocks = selected.shape
         in_slot = self.slot_map >= 0
@@ -250,10 +248,7 @@ class OffloadedLayer:
         self.slots_k[b_idx[t], h_idx[t], slt[t]] = self.old_tail_k[b_idx[t], h_idx[t]]
         self.slots_v[b_idx[t], h_idx[t], slt[t]] = self.old_tail_v[b_idx[t], h_idx[t]]
         h = ~from_tail
-        if self.slots_k.is_cuda:  # the kernel reads the pinned store through UVA
-            gather_blocks(self.keys_host, self.values_host, self.slots_k, self.slots_v, b_idx[h], h_idx[h], blk[h], slt[h])
-        else:
-            _gather_cpu(self, b_idx[h], h_idx[h], blk[h], slt[h])
+        _gather(self, b_idx[h], h_idx[h], blk[h], slt[h])
         self.h2d_bytes += int(h.sum()) * cfg.block * self.slots_k.shape[-1] * 2 * self.slots_k.element_size()
         self.moved_blocks += int(t.sum())
         self.slot_map = new_map
@@ -298,13 +293,26 @@ class OffloadedLayer:
                 "d2h_bytes": self.d2h_bytes, "blocks_moved_from_tail": self.moved_blocks, "steps": self.steps}
 
 
-def _gather_cpu(layer: OffloadedLayer, b, h, blocks, slots) -> None:
-    """CPU run: the same Triton kernel under TRITON_INTERPRET=1, else its torch twin."""
-    from ..kernels._common import interpreting
-    from ..kernels.block_gather import gather_blocks, gather_blocks_torch
+def _whole_blocks(tokens: int, block: int) -> int:
+    """A host store's capacity in tokens, rounded up to whole blocks (the gather addresses blocks as rows)."""
+    return -(-tokens // block) * block
 
-    run = gather_blocks if interpreting() else gather_blocks_torch
-    run(layer.keys_host, layer.values_host, layer.slots_k, layer.slots_v, b, h, blocks, slots)
+
+def _gather(layer: OffloadedLayer, b, h, blocks, slots) -> None:
+    """Missed blocks from the host store into their slots: kernels/gather.py (through UVA from pinned memory
+    on a GPU; torch indexing, or the kernel under TRITON_INTERPRET=1, on a CPU). The store [B, Hkv, capacity,
+    D] is read as rows of one block, [B·Hkv·capacity/block, block, D]; the slots [B, Hkv, k, block, D] as
+    [B·Hkv·k, block, D]. b, h, blocks, slots: long [n]."""
+    from ..kernels.gather import gather_blocks
+
+    batch, kv_heads, capacity, dim = layer.keys_host.shape
+    k, block = layer.slots_k.shape[2], layer.slots_k.shape[3]
+    device = layer.slots_k.device
+    pair = b.to(device) * kv_heads + h.to(device)
+    rows = pair * (capacity // block) + blocks.to(device)
+    dst = pair * k + slots.to(device)
+    for store, slot in ((layer.keys_host, layer.slots_k), (layer.values_host, layer.slots_v)):
+        gather_blocks(store.view(-1, block, dim), rows, slot.view(-1, block, dim), dst)
 
 
 @dataclass
