@@ -42,7 +42,8 @@ def calibrate(
 
     Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
     """
-    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, effective_densities, preflight
+    from sparsesearch.artifacts.summary import effective_densities
+    from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, preflight
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, is_global, row_from_params, window_params, window_row
+from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, window_params, window_row
+from .artifacts.summary import effective_densities
 from .patterns import PARAMS
 from .search.cost import cost_model_for
 from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
@@ -401,19 +402,3 @@ def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none"
     }
     row.update(row_from_params(r["params"]))
     return row
-
-
-def effective_densities(manifest: dict, rows: list[dict]) -> dict[tuple[int, int], float | None]:
-    """Per (layer, head): the attention density the runtime computes — the global row's, or for a K/Q/2D
-    head the calibration's density of its composed regions (manifest boundary_search scores)."""
-    report = ((manifest.get("methods") or {}).get("mminference") or {}).get("boundary_search")
-    scores = report.get("scores", {}) if isinstance(report, dict) else {}
-    out = {}
-    for r in rows:
-        if not is_global(r):
-            continue
-        layer, head = int(r["layer"]), int(r["head"])
-        kind = r["boundary"]
-        entry = scores.get(str(layer), {}).get(kind)
-        out[(layer, head)] = entry["density"][head] if kind != "none" and entry and "density" in entry else r.get("density")
-    return out

@@ -115,7 +115,7 @@ def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, dat
 
     import pandas as pd
 
-    from .calibrate import effective_densities
+    from .artifacts.summary import effective_densities
     from .data import held_out
 
     if samples < 1:

@@ -12,6 +12,22 @@ from .tables import HEADS_FILE
 METRICS = ("density", "recall", "output_error", "latency_ms", "score")
 
 
+def effective_densities(manifest: dict, rows: list[dict]) -> dict[tuple[int, int], float | None]:
+    """Per (layer, head): the attention density the runtime computes — the global row's, or for a K/Q/2D
+    head the calibration's density of its composed regions (manifest boundary_search scores)."""
+    report = ((manifest.get("methods") or {}).get("mminference") or {}).get("boundary_search")
+    scores = report.get("scores", {}) if isinstance(report, dict) else {}
+    out = {}
+    for r in rows:
+        if not is_global(r):
+            continue
+        layer, head = int(r["layer"]), int(r["head"])
+        kind = r["boundary"]
+        entry = scores.get(str(layer), {}).get(kind)
+        out[(layer, head)] = entry["density"][head] if kind != "none" and entry and "density" in entry else r.get("density")
+    return out
+
+
 def _stats(values: list[float]) -> dict | None:
     if not values:
         return None
