@@ -31,9 +31,15 @@ def tokens_fit(option: str, tokens: int | None, info: ModelInfo) -> None:
         return
     if tokens < MIN_TOKENS:
         raise ValueError(f"{option} must be >= {MIN_TOKENS}, got {tokens}")
+    context_fits(option, tokens, info)
+
+
+def context_fits(what: str, tokens: int, info: ModelInfo) -> None:
+    """``tokens`` positions fit the model's context (``max_position_embeddings``, when the config has one);
+    ``what`` names them in the error (an option, or the sum that makes them)."""
     limit = info.max_position_embeddings
     if limit is not None and tokens > limit:
-        raise ValueError(f"{option} {tokens} exceeds the context of model '{info.id}' ({limit} tokens)")
+        raise ValueError(f"{what} {tokens} exceeds the context of model '{info.id}' ({limit} tokens)")
 
 
 def data(option: str, spec: str | None) -> None:

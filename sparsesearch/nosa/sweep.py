@@ -116,10 +116,7 @@ def preflight(s: SweepSettings):
         raise ValueError("the grid is empty: give at least one --budget, --kq-ratio, --block-size and --proxy")
     check.data("--data", s.data)
     info = check.model_info(s.model, trust_remote_code=s.trust_remote_code, dtype=s.dtype, device=s.device)
-    total = s.context + s.decode_steps + 1
-    limit = info.max_position_embeddings
-    if limit is not None and total > limit:
-        raise ValueError(f"--context {s.context} + --decode-steps {s.decode_steps} + 1 = {total} exceeds the context of model '{info.id}' ({limit} tokens)")
+    check.context_fits(f"--context {s.context} + --decode-steps {s.decode_steps} + 1 =", s.context + s.decode_steps + 1, info)
     if s.target.exists() and not s.target.is_dir():
         raise ValueError(f"--out {s.target} exists and is not a directory")
     return info, configs, existing_artifact(s.target, info, "--into" if s.into is not None else "--out")

@@ -36,15 +36,10 @@ def preflight(cfg: SpavaConfig) -> None:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout_s}")
     for n in cfg.tokens:
         layouts(cfg, n)
-    from ..models.resolve import resolve_model_info
+    from .. import preflight as check
 
-    info = resolve_model_info(cfg.model)
-    if info.max_position_embeddings and max(cfg.tokens) > info.max_position_embeddings:
-        raise ValueError(f"--tokens {max(cfg.tokens)} exceeds {cfg.model}'s context of {info.max_position_embeddings}")
-    if cfg.data != "text":
-        from ..data.calibration import check_spec
-
-        check_spec(cfg.data)
+    check.context_fits("--tokens", max(cfg.tokens), check.model_info(cfg.model))
+    check.data("--data", None if cfg.data == "text" else cfg.data)
 
 
 _RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*(\w*(Error|Exception)\b.*)$")
