@@ -49,7 +49,7 @@ def calibrate(
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code)
-    preflight(cfg)  # bad input is one line before any progress output
+    space = preflight(cfg)  # bad input is one line before any progress output
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:
         stage = bar.add_task("starting", total=None)
@@ -61,7 +61,7 @@ def calibrate(
         def on_layer(sample: int, layer: int, total: int) -> None:
             bar.update(layers, visible=True, total=total, completed=layer + 1, description=f"sample {sample + 1} layers")
 
-        result = run(cfg, Hooks(stage=on_stage, layer=on_layer))
+        result = run(cfg, Hooks(stage=on_stage, layer=on_layer), space=space)
     density = effective_densities(result.manifest, result.rows)
     summary = {
         "artifact": str(result.path), "map_png": str(result.map_png) if result.map_png else None,

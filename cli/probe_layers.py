@@ -51,7 +51,7 @@ def probe_layers(
                   console=err_console, transient=json_out) as bar:
         task = bar.add_task("starting", total=None)
         outcome = run_probe(cfg, stage=lambda s: bar.update(task, description=s, total=None, completed=0),
-                            tick=lambda i, n: bar.update(task, total=n, completed=i))
+                            tick=lambda i, n: bar.update(task, total=n, completed=i), checked=True)
     r = outcome.result
     middle = r.layer_curve("abs", "middle")
     # A hybrid model's sliding layers are not probed (NaN): null in JSON, "window" in the table.

@@ -282,8 +282,9 @@ def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
     }
 
 
-def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> CalibrationResult:
-    """Run the whole job (see the module docstring)."""
+def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=None) -> CalibrationResult:
+    """Run the whole job (see the module docstring). space: what ``preflight(cfg)`` returned when the caller
+    ran it already (the CLI does, before its progress display); otherwise the checks run here."""
     from .artifacts import write_artifact
     from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
@@ -291,7 +292,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None) -> Calibra
     from .models import capture_qkv, load_model
 
     progress = progress or Progress()
-    space = preflight(cfg)
+    space = space or preflight(cfg)
     progress.stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:

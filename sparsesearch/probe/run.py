@@ -54,13 +54,17 @@ class ProbeOutcome:
     seconds: float
 
 
-def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, tick: Callable[[int, int], None] = lambda i, n: None) -> ProbeOutcome:
+def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, tick: Callable[[int, int], None] = lambda i, n: None,
+              *, checked: bool = False) -> ProbeOutcome:
+    """Probe, choose, optionally validate, write (module docstring). checked: the caller ran ``preflight(cfg)``
+    already (the CLI does, before its progress display)."""
     from ..data import load_calibration
     from ..models import load_model
     from .sections import SectionSpec
 
     started = time.perf_counter()
-    preflight(cfg)
+    if not checked:
+        preflight(cfg)
     stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     if tokenizer is None:
