@@ -7,9 +7,13 @@ to its slot. That turns a gather of scattered blocks into one launch at close to
 host-to-device copy rate; the alternative, ``index_select`` on the host and then a copy, moves the bytes
 twice and runs at a few GB/s (ENVIRONMENT.md).
 
+The same kernel writes the other way: with ``src`` on the GPU and ``dst`` pinned, every program stores its
+chunk into host memory through UVA (a decode step appends each sequence's new token to the host store
+without a host sync).
+
 Layout: ``src`` [Ns, *block] and ``dst`` [Nd, *block], both contiguous, same dtype and block shape; a block
 is one row (e.g. [block_tokens, head_dim] of one KV head). ``rows`` and ``slots`` are int [n] on the
-launch device. Rows or slots out of range are skipped, never read or written (bounds-safe by
+launch device (the GPU side of the copy). Rows or slots out of range are skipped, never read or written (bounds-safe by
 construction); ``gather_blocks(..., check=True)`` refuses them instead (a host sync).
 """
 
@@ -66,17 +70,25 @@ def check_gather(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots
         raise ValueError(f"rows and slots must be int32/int64 [n] of one dtype, got {rows.dtype} {tuple(rows.shape)} and {slots.dtype} {tuple(slots.shape)}")
     if dst.is_cuda and not (src.is_cuda or src.is_pinned()):
         raise ValueError("src must be pinned host memory (tensor.pin_memory()) or on the GPU for a GPU dst")
-    if rows.device != dst.device or slots.device != dst.device:
-        raise ValueError(f"rows and slots must be on dst's device {dst.device}, got {rows.device} and {slots.device}")
+    if src.is_cuda and not (dst.is_cuda or dst.is_pinned()):
+        raise ValueError("dst must be pinned host memory (tensor.pin_memory()) or on the GPU for a GPU src")
+    device = launch_device(src, dst)
+    if rows.device != device or slots.device != device:
+        raise ValueError(f"rows and slots must be on the launch device {device}, got {rows.device} and {slots.device}")
+
+
+def launch_device(src: torch.Tensor, dst: torch.Tensor) -> torch.device:
+    """Where the copy runs: the GPU side of it (dst's device when both sides share one)."""
+    return src.device if src.is_cuda and not dst.is_cuda else dst.device
 
 
 def gather_blocks(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, *, check: bool = False,
                   chunk_bytes: int = CHUNK_BYTES, rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """dst[slots[i]] = src[rows[i]] for every i, in one launch; returns dst.
 
-    src [Ns, *block] (pinned host memory or GPU), dst [Nd, *block] (GPU; host on a CPU-only machine, where
-    the same copy runs through torch or, under TRITON_INTERPRET=1, the kernel), rows/slots int [n] on dst's
-    device. check: refuse out-of-range ids (syncs); otherwise they are skipped. Slots must be distinct
+    src [Ns, *block] and dst [Nd, *block]: GPU to GPU, pinned host to GPU (gather) or GPU to pinned host
+    (scatter); host to host on a CPU-only machine, where the same copy runs through torch or, under
+    TRITON_INTERPRET=1, the kernel. rows/slots int [n] on the launch device (the GPU side). check: refuse out-of-range ids (syncs); otherwise they are skipped. Slots must be distinct
     (two blocks written to one slot leave either). chunk_bytes, rows_per_program, num_warps: each
     program's share of a block, how many blocks it reads at once, and its warps (benchmarks/uva_gather.py
     measures them).
@@ -92,7 +104,7 @@ def gather_blocks(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, slot
                 raise ValueError(f"{name} must be in [0, {size}), got values in [{low}, {high}]")
     if n == 0 or dst.shape[0] == 0 or src.shape[0] == 0:
         return dst  # nothing in range: every id would be skipped
-    if not dst.is_cuda and not interpreting():
+    if not (dst.is_cuda or src.is_cuda) and not interpreting():
         ok = (rows >= 0) & (rows < src.shape[0]) & (slots >= 0) & (slots < dst.shape[0])
         dst[slots[ok]] = src[rows[ok]]
         return dst
