@@ -109,8 +109,9 @@ class SlotDecoder:
         pos = torch.arange(n, device=keys.device)
         self.scores[:, :, :n] = token_scores(cfg.proxy, values, self.eviction, pos, self.seed)
         m = unit_count(n, cfg.kernel, cfg.stride)
-        if m:
-            self.units[:, :, :m] = keys[:, :, : (m - 1) * cfg.stride + cfg.kernel].unfold(2, cfg.kernel, cfg.stride).float().mean(-1).to(self.units.dtype)
+        for b in range(keys.shape[0]):  # one sequence at a time: the float32 windows are kernel x its keys
+            if m:
+                self.units[b, :, :m] = keys[b, :, : (m - 1) * cfg.stride + cfg.kernel].unfold(1, cfg.kernel, cfg.stride).float().mean(-1).to(self.units.dtype)
         self.ring.copy_(self._ring_from(keys, lengths))
         start = torch.div(lengths - 1, bs, rounding_mode="floor") * bs  # the tail block's first token
         offs = start[:, None] + torch.arange(bs, device=keys.device)
@@ -178,7 +179,7 @@ class SlotDecoder:
         seen = torch.arange(self.capacity, device=self.scores.device) < self.lengths[:, None, None]
         units = agnostic_unit_scores(self.scores.masked_fill(~seen, 0.0)[:, :, None], n_units, cfg.kernel, cfg.stride)[:, :, 0]
         fresh = pool_blocks(units, self.n_blocks, cfg.ratio)
-        self.se = torch.where(rows[:, None, None], fresh, self.se)
+        self.se.copy_(torch.where(rows[:, None, None], fresh, self.se))  # in place: a captured graph replays it
 
     def query_scores(self, q: torch.Tensor) -> torch.Tensor:
         """Eq. 3-4 for the step's query q [B, Hq, D]: softmax over seen compressed keys per query head,
@@ -205,20 +206,20 @@ class SlotDecoder:
         each (sequence, KV head) into its free slots (i-th missing block, in block order, to the i-th free
         slot, in slot order). Misses past ``ranks`` are counted in ``dropped``."""
         ranks = min(ranks, self.n_blocks)
-        old = self.slot_map
+        old = self.slot_map.clone()  # the map is updated in place below (a captured graph replays the update)
         keep = (old >= 0) & selected.gather(-1, old.clamp(min=0))
         resident = torch.zeros(selected.shape, dtype=torch.int32, device=old.device).scatter_add_(-1, old.clamp(min=0), keep.int()) > 0
         missing = selected & ~resident
         n_miss = missing.sum(-1, keepdim=True)  # [B, Hkv, 1]
         self.dropped += (n_miss - ranks).clamp(min=0).sum()
         if ranks == 0:
-            self.slot_map = torch.where(keep, old, -1)
+            self.slot_map.copy_(torch.where(keep, old, -1))
             return
         miss_order = torch.sort((~missing).to(torch.int8), dim=-1, stable=True).indices[..., :ranks]  # missing ids first
         free_order = torch.sort(keep.to(torch.int8), dim=-1, stable=True).indices[..., :ranks]  # free slot ids first
         take = torch.arange(ranks, device=old.device) < n_miss  # [B, Hkv, ranks]
         new_map = torch.where(keep, old, -1)
-        self.slot_map = new_map.scatter(-1, free_order, torch.where(take, miss_order, new_map.gather(-1, free_order)))
+        self.slot_map.copy_(new_map.scatter(-1, free_order, torch.where(take, miss_order, new_map.gather(-1, free_order))))
         src = torch.where(take, self._src_row0 + miss_order, -1).flatten()
         dst = (self._dst_row0 + free_order).flatten()
         bs, dim = self.cfg.block, self.dim
