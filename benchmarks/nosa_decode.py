@@ -31,7 +31,7 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -235,6 +235,18 @@ def run_steps(stack: Stack, system, x: torch.Tensor, steps: int, eager: bool, on
     return times
 
 
+def profile(stack: Stack, system, x: torch.Tensor, steps: int = 3) -> None:
+    """GPU time per kernel over a few eager steps, largest first (stderr)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            stack.step(x, system.attend)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70), file=sys.stderr)
+
+
 def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
     shape = SHAPES[shape_name]
     device = "cuda"
@@ -262,6 +274,8 @@ def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
 
         times = run_steps(stack, system, x, args.warmup + args.steps, args.eager, snapshot)[args.warmup:]
         before = before[0]
+        if args.profile and method == "nosa":
+            profile(stack, system, x)
         ms = sorted(times)[len(times) // 2]
         mean = sum(times) / len(times)
         row = common | dict(method=method, batch=batch, step_ms_median=round(ms, 3), step_ms_mean=round(mean, 3), tokens_per_s=round(batch * 1000 / mean, 1), setup_s=round(setup, 1))
@@ -295,8 +309,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--host-gib", type=float, default=40.0, help="pinned host memory for distinct layer stores")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (profiling)")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of a few eager NOSA steps (torch.profiler)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.layers:
+        SHAPES[args.shape] = replace(SHAPES[args.shape], layers=args.layers)
     if not torch.cuda.is_available():
         print("nosa_decode.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -101,8 +101,8 @@ class SlotDecoder:
         n = keys.shape[2]
         if n > self.capacity or int(lengths.max()) > self.capacity - 1:
             raise ValueError(f"prompt of {n} tokens leaves no room in a store of capacity {self.capacity}")
-        self.keys_host[:, :, :n].copy_(keys)
-        self.values_host[:, :, :n].copy_(values)
+        self._store_prompt(keys, self.keys_host)
+        self._store_prompt(values, self.values_host)
         lengths = lengths.to(self.lengths.device)
         self.lengths.copy_(lengths)
         self.host_lengths = [int(x) for x in lengths.tolist()]  # once per prompt
@@ -120,6 +120,16 @@ class SlotDecoder:
         self.slots_v[:, :, cfg.k * bs:] = values.gather(2, idx)
         self._refresh(torch.ones_like(lengths, dtype=torch.bool))
         self.cold = True  # the first step fills every slot
+
+    def _store_prompt(self, x: torch.Tensor, store: torch.Tensor) -> None:
+        """x [B, Hkv, N, D] -> store[:, :, :N] as whole blocks through the UVA kernel (a strided copy into
+        pinned memory would go through a pageable staging buffer at a few GB/s)."""
+        bs = self.cfg.block
+        batch, heads, n, dim = x.shape
+        nb = -(-n // bs)
+        src = F.pad(x, (0, 0, 0, nb * bs - n)).reshape(batch * heads * nb, bs, dim)
+        dst = (self._src_row0.view(-1, 1) + torch.arange(nb, device=x.device)).flatten()
+        gather_blocks(src, torch.arange(src.shape[0], device=x.device), store.view(-1, bs, dim), dst)
 
     def _ring_from(self, keys: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The key ring after a prompt: position p lives at p % kernel, for the last ``kernel`` positions."""
@@ -187,7 +197,9 @@ class SlotDecoder:
         dtype (fp32 accumulation): the compressed keys are read once, never copied to float32."""
         cfg = self.cfg
         qg = q.view(self.batch, self.kv_heads, self.group, self.dim).to(self.units.dtype)
-        logits = torch.matmul(qg, self.units.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, M]
+        # units @ q^T ([M, D] x [D, G] per pair) rather than q @ units^T: with G rows the latter falls to a
+        # batched GEMM path that ran at a tenth of HBM bandwidth on an H200 (benchmarks/nosa_decode.py --profile)
+        logits = torch.matmul(self.units, qg.transpose(-1, -2)).float().transpose(-1, -2) * self.scale  # [B, Hkv, G, M]
         n_units = unit_count(self.lengths, cfg.kernel, cfg.stride)
         seen = torch.arange(self.units.shape[2], device=q.device) < n_units[:, None]  # [B, M]
         probs = torch.softmax(logits.masked_fill(~seen[:, None, None], NEG), -1).nan_to_num(0.0).sum(2)
