@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.gather import gather_blocks
 from .config import NosaConfig
@@ -87,6 +88,7 @@ class SlotDecoder:
         self.fetched = torch.zeros((), dtype=torch.long, device=device)  # blocks moved host -> device
         self.dropped = torch.zeros((), dtype=torch.long, device=device)  # misses beyond the fetch list (must stay 0)
         self.scale = dim ** -0.5
+        self.backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a masked call: no flash
         pairs = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1)
         self._src_row0 = pairs * self.n_blocks  # first host block row of each (sequence, KV head)
         self._dst_row0 = pairs * (cfg.k + 1)  # first slot row of each (sequence, KV head)
@@ -254,7 +256,8 @@ class SlotDecoder:
         else:
             mask = ok
         qg = q.view(self.batch, self.kv_heads, self.group, self.dim)
-        out = F.scaled_dot_product_attention(qg, self.slots_k, self.slots_v, attn_mask=mask, scale=self.scale)
+        with sdpa_kernel(self.backends):
+            out = F.scaled_dot_product_attention(qg, self.slots_k, self.slots_v, attn_mask=mask, scale=self.scale)
         return out.reshape(self.batch, -1, self.dim)
 
     def memory(self) -> dict:
