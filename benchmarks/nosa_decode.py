@@ -135,17 +135,20 @@ class Dense:
         return DENSE_FORMS[self.form](kv, q)
 
 
+ALL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _grouped(kv, q, backends=None):
     """The group's query heads as rows of one KV head: q [B, Hq, D] -> [B, Hkv, G, D], no K/V expansion."""
     b, hq, d = q.shape
     h = kv.shape[2]
-    with sdpa_kernel(backends or list(SDPBackend)):
+    with sdpa_kernel(backends or ALL_BACKENDS):
         return F.scaled_dot_product_attention(q.view(b, h, hq // h, d), kv[0], kv[1]).reshape(b, hq, d)
 
 
 def _gqa(kv, q, backends=None):
     """SDPA's own GQA decode: q [B, Hq, 1, D] with enable_gqa."""
-    with sdpa_kernel(backends or list(SDPBackend)):
+    with sdpa_kernel(backends or ALL_BACKENDS):
         return F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], enable_gqa=True)[:, :, 0]
 
 
