@@ -11,8 +11,10 @@ and the torch reference path take ``row_pos`` and work in that frame, so a patte
 in every region: A-shape keeps the first ``sink`` keys of the region and the ``local`` keys just behind
 each row's frontier; a slash at offset d is the key d behind the frontier; block top-k forces the
 frontier's blocks. Intra-modality regions have the identity frame (row_pos None, the square causal case).
-Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU) over contiguous copies of
-its rows and keys (``Region.gather``); reading them in place is the job of the permutation kernels.
+Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU), which read its rows and
+keys in place through int32 maps (``Region.maps``: Q loads and O/lse stores through q_idx, K/V loads
+through k_idx; no permuted copies, no un-permute pass). ``Region.gather`` (contiguous copies) remains for
+the search's scoring and for the estimates of dynamic patterns, which need the region's keys in order.
 
 Which regions a boundary type composes (rows of one modality always merge their regions' partial
 outputs by log-sum-exp into the exact attention over the union of the regions' keys):
@@ -55,6 +57,13 @@ class Region:
     def causal_entries(self) -> int:
         """Causal (row, key) pairs of the region."""
         return causal_entries(self.q_idx.numel()) if self.row_pos is None else region_causal_entries(self.row_pos)
+
+    def maps(self, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The region read in place (kernels' row_map / col_map): int32 q_idx [Nq] and k_idx [Nk] on
+        ``device``, None for a side that is every token in order (``all``)."""
+        row_map = None if self.q_mod == ALL else self.q_idx.to(device=device, dtype=torch.int32)
+        col_map = None if self.k_mod == ALL else self.k_idx.to(device=device, dtype=torch.int32)
+        return row_map, col_map
 
     def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, Hq, N, D], k/v [B, Hkv, N, D] -> the region's rows and keys (copies along the token axis;
