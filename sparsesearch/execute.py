@@ -80,6 +80,19 @@ def _frame(name: str, row_pos: torch.Tensor | None) -> dict:
     return {"row_pos": row_pos}
 
 
+def permuted_grid_index(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, batch: int = 1
+                        ) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
+    """A grid group's permuted index (patterns/grid.py build_permuted_index: Alg. 1's stride/phase as a row
+    and column permutation) and its int32 row/col maps, for ``sparse_attend(..., row_map=, col_map=)``.
+    Static like the plain cover: stride and phase live in the params."""
+    if g.pattern != "grid":
+        raise ValueError(f"only grid heads have a permuted form, got {g.pattern!r}")
+    from .patterns import grid
+
+    return grid.build_permuted_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m,
+                                     block_n=g.block_n, head_space=space, device=device)
+
+
 class StaticIndexCache:
     """Static indices by (group, shape, head space, device): they depend on nothing else, so the calls of
     one length share them. Bounded: past ``limit`` entries the oldest goes first."""
@@ -97,6 +110,15 @@ class StaticIndexCache:
             if len(self._entries) >= self.limit:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = build_group_index(g, q, k, space)
+        return self._entries[key]
+
+    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
+        """``permuted_grid_index`` for a grid group, cached by the same key as ``index`` (plus the form)."""
+        key = ("permuted", g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
+        if key not in self._entries:
+            if len(self._entries) >= self.limit:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
         return self._entries[key]
 
 
@@ -194,6 +216,8 @@ def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callab
     from .patterns import boundary as bd
 
     n, group = q.shape[2], q.shape[1] // k.shape[1]
+    if modality.numel() != n:
+        raise ValueError(f"modality ids hold {modality.numel()} tokens, the sequence {n}: one id per token is needed")
     pos = bd.positions(modality.to(q.device), MODALITIES)
     present = [m for m in MODALITIES if m in pos]
     if len(present) < 2:

@@ -89,6 +89,12 @@ def positions(modality: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch
 
     modality: int [N], ids indexing ``names`` (models.modality_ids: 0 text, 1 image, 2 video)."""
     modality = modality.flatten().long()
+    if modality.numel() == 0:
+        raise ValueError("modality ids are empty: one id per token is needed")
+    lo, hi = int(modality.min()), int(modality.max())
+    if lo < 0 or hi >= len(names):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"modality id {bad} names no modality: ids index {names} (0..{len(names) - 1})")
     out = {ALL: torch.arange(modality.numel(), device=modality.device)}
     for i, name in enumerate(names):
         idx = (modality == i).nonzero().flatten()
@@ -98,7 +104,11 @@ def positions(modality: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch
 
 
 def make_region(q_mod: str, k_mod: str, pos: dict[str, torch.Tensor]) -> Region | None:
-    """The region of rows q_mod x keys k_mod, or None when it holds no causal pair."""
+    """The region of rows q_mod x keys k_mod, or None when it holds no causal pair. ValueError names a
+    modality that is unknown or has no token in this sequence."""
+    for name in (q_mod, k_mod):
+        if name not in pos:
+            raise ValueError(f"modality {name!r} is unknown or absent here (present: {sorted(pos)})")
     q_idx, k_idx = pos[q_mod], pos[k_mod]
     if q_mod == k_mod:
         return Region(q_mod, k_mod, q_idx, k_idx, None)

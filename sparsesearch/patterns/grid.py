@@ -185,6 +185,8 @@ def permuted_cover(
     causal when k0 <= p1 and full when every key precedes every row (k1 <= p0) and the block is whole.
     """
     p = params
+    if p.stride > kv_len:
+        raise ValueError(f"grid stride {p.stride} is longer than the sequence ({kv_len} keys): no line repeats")
     offset = kv_len - q_len
     row_order, row_lines = line_order(p, q_len, offset, device)
     col_order, col_lines = line_order(p, kv_len, 0, device)
