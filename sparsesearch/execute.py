@@ -112,14 +112,24 @@ class StaticIndexCache:
             self._entries[key] = build_group_index(g, q, k, space)
         return self._entries[key]
 
-    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
-        """``permuted_grid_index`` for a grid group, cached by the same key as ``index`` (plus the form)."""
+    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
+                 ) -> tuple[BlockIndex, torch.Tensor | None, torch.Tensor | None]:
+        """A grid group's cheaper form, cached: ``permuted_grid_index`` when it lists fewer blocks than the
+        plain cover, else the plain cover with no maps (slash lines, which the permutation leaves spread,
+        can make it list more)."""
         key = ("permuted", g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
         if key not in self._entries:
+            index, row_map, col_map = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
+            plain = self.index(g, q, k, space)
             if len(self._entries) >= self.limit:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
+            self._entries[key] = (index, row_map, col_map) if _blocks(index) < _blocks(plain) else (plain, None, None)
         return self._entries[key]
+
+
+def _blocks(index: BlockIndex) -> int:
+    """Listed key blocks of an index (full + partial, every batch row and head)."""
+    return int(index.full_count.sum() + index.partial_count.sum())
 
 
 def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None, *,

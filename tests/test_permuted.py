@@ -303,9 +303,9 @@ def test_planted_grid_search_recovers_stride_phase_and_the_permuted_run_matches_
 
 
 def test_runner_runs_grid_heads_permuted_when_asked():
-    n = 160
+    n = 256
     q, k, v = (t[:1] for t in qkv(n))
-    params = grid.GridParams(stride=8, phase=2, use_hline=False, local=24)
+    params = grid.GridParams(stride=16, phase=2, use_hline=False, local=16)  # a line key in every plain key block
     layer = LayerPlan(0, "sparse", (HeadGroup("grid", params, (0, 1), 16, 16),))
     runner = Runner(Plan("kv", (layer,), min_tokens=1))
     plain = runner.attend(layer, q, k, v, scale=SCALE)
@@ -315,6 +315,22 @@ def test_runner_runs_grid_heads_permuted_when_asked():
     ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
     assert relative_error(permuted, ref) < 1e-5
     assert relative_error(plain, ref) > 1e-4  # the plain cover computes other extra tokens
+
+
+def test_runner_keeps_the_plain_cover_where_the_permutation_lists_more_blocks():
+    """Slash lines stay spread after the permutation: with them on (and a short stride) the permuted
+    index lists more blocks than the plain cover, so the runner keeps the plain one."""
+    n = 160
+    q, k, v = (t[:1] for t in qkv(n))
+    params = grid.GridParams(stride=5, phase=0, use_slash=True, local=9)
+    g = HeadGroup("grid", params, (0, 1), 16, 16)
+    layer = LayerPlan(0, "sparse", (g,))
+    runner = Runner(Plan("kv", (layer,), min_tokens=1))
+    plain = runner.attend(layer, q, k, v, scale=SCALE)
+    runner.permute_grid = True
+    index, row_map, col_map = runner._static.permuted(g, q, k, "kv")
+    assert row_map is None and col_map is None
+    assert torch.equal(runner.attend(layer, q, k, v, scale=SCALE), plain)
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -34,8 +34,9 @@ class Runner:
         # the caller (runtime.set_modality): boundary heads run their region patterns only with them.
         self.modality: torch.Tensor | None = None
         # Grid heads by their permuted form (execute.permuted_grid_index: line rows/keys read in place through
-        # row/col maps) instead of the plain block cover the search scored. Off by default: both cover every
-        # token the grid admits, but the extra tokens differ, so the artifact's scores describe the plain one.
+        # row/col maps) where it lists fewer blocks than the plain cover the search scored. Off by default:
+        # both cover every token the grid admits, but the extra tokens differ, so the artifact's scores
+        # describe the plain one.
         self.permute_grid = False
 
     def _modality_for(self, layer: LayerPlan, batch: int, n: int) -> torch.Tensor | None:
