@@ -141,11 +141,17 @@ def build_index(
     """
     kv_len = check_lengths(q_len, kv_len)
     hit, is_full = block_cover(params, q_len, kv_len, block_m, block_n, device)
+    return _cover_index(hit, is_full, block_m, block_n, head_space, batch, heads, {"pattern": NAME})
+
+
+def _cover_index(hit: torch.Tensor, is_full: torch.Tensor, block_m: int, block_n: int, head_space: str, batch: int, heads: int,
+                 meta: dict) -> BlockIndex:
+    """A BlockIndex of a [QB, KB] block cover (hit, is_full bool), the same for every (batch, head): views."""
     kv_blocks = hit.shape[1]
-    ids = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :].expand_as(hit)
+    ids = torch.arange(kv_blocks, device=hit.device, dtype=torch.int64)[None, :].expand_as(hit)
     index = index_from_candidates(
         ids[None, None], hit[None, None], is_full.expand_as(hit)[None, None], kv_blocks, block_m, block_n,
-        head_space=head_space, meta={"pattern": NAME},
+        head_space=head_space, meta=meta,
     )
     return expand_heads(index, batch, heads)
 
@@ -229,13 +235,8 @@ def build_permuted_index(
     whole and causal by original position, hold every token the predicate admits."""
     kv_len = check_lengths(q_len, kv_len)
     hit, is_full, row_order, col_order = permuted_cover(params, q_len, kv_len, block_m, block_n, device)
-    kv_blocks = hit.shape[1]
-    ids = torch.arange(kv_blocks, device=device, dtype=torch.int64)[None, :].expand_as(hit)
-    index = index_from_candidates(
-        ids[None, None], hit[None, None], is_full.expand_as(hit)[None, None], kv_blocks, block_m, block_n,
-        head_space=head_space, meta={"pattern": NAME, "permuted": True},
-    )
-    return expand_heads(index, batch, heads), row_order.to(torch.int32), col_order.to(torch.int32)
+    index = _cover_index(hit, is_full, block_m, block_n, head_space, batch, heads, {"pattern": NAME, "permuted": True})
+    return index, row_order.to(torch.int32), col_order.to(torch.int32)
 
 
 def permuted_mask(params: GridParams, q_len: int, kv_len: int | None = None, *, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
