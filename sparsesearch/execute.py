@@ -80,6 +80,19 @@ def _frame(name: str, row_pos: torch.Tensor | None) -> dict:
     return {"row_pos": row_pos}
 
 
+def permuted_grid_index(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, batch: int = 1
+                        ) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
+    """A grid group's permuted index (patterns/grid.py build_permuted_index: Alg. 1's stride/phase as a row
+    and column permutation) and its int32 row/col maps, for ``sparse_attend(..., row_map=, col_map=)``.
+    Static like the plain cover: stride and phase live in the params."""
+    if g.pattern != "grid":
+        raise ValueError(f"only grid heads have a permuted form, got {g.pattern!r}")
+    from .patterns import grid
+
+    return grid.build_permuted_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m,
+                                     block_n=g.block_n, head_space=space, device=device)
+
+
 class StaticIndexCache:
     """Static indices by (group, shape, head space, device): they depend on nothing else, so the calls of
     one length share them. Bounded: past ``limit`` entries the oldest goes first."""
@@ -99,19 +112,42 @@ class StaticIndexCache:
             self._entries[key] = build_group_index(g, q, k, space)
         return self._entries[key]
 
+    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
+                 ) -> tuple[BlockIndex, torch.Tensor | None, torch.Tensor | None]:
+        """A grid group's cheaper form, cached: ``permuted_grid_index`` when it lists fewer blocks than the
+        plain cover, else the plain cover with no maps (slash lines, which the permutation leaves spread,
+        can make it list more)."""
+        key = ("permuted", g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
+        if key not in self._entries:
+            index, row_map, col_map = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
+            plain = self.index(g, q, k, space)
+            if len(self._entries) >= self.limit:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (index, row_map, col_map) if _blocks(index) < _blocks(plain) else (plain, None, None)
+        return self._entries[key]
 
-def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None) -> None:
+
+def _blocks(index: BlockIndex) -> int:
+    """Listed key blocks of an index (full + partial, every batch row and head)."""
+    return int(index.full_count.sum() + index.partial_count.sum())
+
+
+def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None, *,
+                  row_map=None, col_map=None) -> None:
     """One launch over the query heads the index serves (``heads``: int32 head-space ids, one per index head)
-    into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a permuted region's frame (q/k/v are the
-    region's gathered rows and keys)."""
+    into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a permuted region's frame. row_map / col_map:
+    int32, the region (or permutation) read in place from the whole q/k/v (kernels/block_sparse.py); out/lse
+    with the whole q's rows are written at row_map, with the region's rows compactly. Without maps q/k/v
+    are the region's gathered rows and keys."""
     if q.is_cuda:
         from .kernels import block_sparse_attention
 
-        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos)
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos, row_map=row_map, col_map=col_map)
     else:
         from .kernels.torch_sparse import block_sparse_attention_torch
 
-        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos)
+        block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos,
+                                     row_map=row_map, col_map=col_map)
 
 
 def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) -> None:
@@ -148,26 +184,41 @@ def dense_heads(q, k, v, heads: list[int], scale: float, out) -> None:
     out[:, q_ids] = res.to(out.dtype)
 
 
-def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One region's attention (patterns/boundary.py Region) for the heads of ``groups``: its rows and keys
-    gathered, one index build and one launch per group in the region's frame. q [1, Hq, N, D], k/v
-    [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the region's rows; heads
-    no group serves stay (0, -inf)."""
-    q_r, k_r, v_r = region.gather(q, k, v)
-    out = torch.zeros_like(q_r)
-    lse = torch.full(q_r.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+def region_index(g: HeadGroup, q, k, region, space: str) -> BlockIndex:
+    """The index of one group in a region's frame (q [1, Hq, N, D], k [1, Hkv, N, D]: the whole layer).
+    Static patterns need only the region's shape; dynamic ones estimate from the region's own last
+    queries and keys, so only they read a gathered copy (of q and k: the estimate, never the attention)."""
+    if not REGISTRY[g.pattern].DYNAMIC:
+        return static_index(g, region.q_idx.numel(), region.k_idx.numel(), space, q.device, batch=q.shape[0],
+                            row_pos=region.row_pos)
+    q_r = q if region.q_mod == "all" else q.index_select(2, region.q_idx.to(q.device))
+    k_r = k if region.k_mod == "all" else k.index_select(2, region.k_idx.to(q.device))
+    return build_group_index(g, q_r, k_r, space, region.row_pos)
+
+
+def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: float, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One region's attention (patterns/boundary.py Region) for the heads of ``groups``: one index build and
+    one launch per group in the region's frame, its rows and keys read in place (Region.maps).
+    q [1, Hq, N, D], k/v [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the
+    region's rows (heads no group serves stay (0, -inf)); or, given out [1, Hq, N, D] and lse [1, Hq, N],
+    writes the served heads' rows there at their original positions and returns them."""
+    row_map, col_map = region.maps(q.device)
+    if out is None:
+        rows = region.q_idx.numel()
+        out = q.new_zeros(q.shape[0], q.shape[1], rows, q.shape[3])
+        lse = torch.full((q.shape[0], q.shape[1], rows), float("-inf"), dtype=torch.float32, device=q.device)
     for g in groups:
-        index = build_group_index(g, q_r, k_r, space, region.row_pos)
+        index = region_index(g, q, k, region, space)
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-        sparse_attend(q_r, k_r, v_r, index, scale, ids, out, lse, region.row_pos)
+        sparse_attend(q, k, v, index, scale, ids, out, lse, region.row_pos, row_map=row_map, col_map=col_map)
     return out, lse
 
 
 def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callable[[str], tuple[HeadGroup, ...]], q, k, v,
                     modality: torch.Tensor, space: str, scale: float, out) -> set[int]:
     """Boundary heads, each by its type's regions (patterns/boundary.py): per region, one index build and
-    one launch per head group on the region's gathered rows/keys (the region frame row_pos for permuted
-    ones), partials merged by lse into ``out``. boundary: (head, type) pairs; region_groups: scope name ->
+    one launch per head group reading the region's rows/keys in place (the region frame row_pos for permuted
+    ones); Q-boundary launches write ``out`` directly, K/2D partials are merged by lse into it. boundary: (head, type) pairs; region_groups: scope name ->
     the groups of that region (() for none; runtime.plan.LayerPlan.region_groups). q [1, Hq, N, D], modality int [N]. Returns the heads (head space) done; a
     head lacking a group in one of its regions (a modality its calibration never saw) is left to its
     global pattern."""
@@ -175,6 +226,8 @@ def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callab
     from .patterns import boundary as bd
 
     n, group = q.shape[2], q.shape[1] // k.shape[1]
+    if modality.numel() != n:
+        raise ValueError(f"modality ids hold {modality.numel()} tokens, the sequence {n}: one id per token is needed")
     pos = bd.positions(modality.to(q.device), MODALITIES)
     present = [m for m in MODALITIES if m in pos]
     if len(present) < 2:
@@ -186,15 +239,24 @@ def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callab
                  and all(any(h in g.heads for g in region_groups(bd.scope_name(*s))) for s in scopes)]
         if not heads:
             continue
+        # Q-boundary: every row lies in exactly one region (a, all), so each launch writes its rows of
+        # ``out`` in place and nothing is merged; K and 2D regions share rows and merge by lse.
+        direct = kind == "q"
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) if direct else None
         parts = []
         for q_mod, k_mod in scopes:
             region = bd.make_region(q_mod, k_mod, pos)
             if region is None:
                 continue
             groups = [dataclasses.replace(g, heads=tuple(h for h in g.heads if h in heads)) for g in region_groups(region.name)]
-            parts.append((region, *run_region(q, k, v, region, [g for g in groups if g.heads], space, scale)))
-        merged, _ = bd.compose(parts, n)
-        q_ids = torch.tensor(query_heads(tuple(heads), space, group), device=q.device)
-        out[:, q_ids] = merged[:, q_ids].to(out.dtype)
+            groups = [g for g in groups if g.heads]
+            if direct:
+                run_region(q, k, v, region, groups, space, scale, out, lse)
+            else:
+                parts.append((region, *run_region(q, k, v, region, groups, space, scale)))
+        if not direct:
+            merged, _ = bd.compose(parts, n)
+            q_ids = torch.tensor(query_heads(tuple(heads), space, group), device=q.device)
+            out[:, q_ids] = merged[:, q_ids].to(out.dtype)
         done.update(heads)
     return done

@@ -199,3 +199,51 @@ def dot_f32(dtype: torch.dtype) -> bool:
 
 def block_d(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
+
+
+@dataclass(frozen=True)
+class Maps:
+    """A permutation read in place (kernels' row_map/col_map): the region's row and key counts and the
+    shift of the bottom-right frame of the full tensors (Nk - Nq) that places q row r at key position
+    r + pos_shift."""
+
+    q_len: int
+    kv_len: int
+    pos_shift: int
+    has_col_map: bool
+
+
+def _check_map(name: str, m: torch.Tensor, size: int, device: torch.device) -> int:
+    """Length of a row/column map after checking it: int32 [n], n >= 1, distinct values in [0, size)."""
+    if m.dim() != 1 or m.dtype != torch.int32 or m.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D int32 tensor, got {m.dtype} {tuple(m.shape)}")
+    if m.device != device:
+        raise ValueError(f"{name} is on {m.device}, q on {device}")
+    lo, hi = int(m.min()), int(m.max())
+    if lo < 0 or hi >= size:
+        raise ValueError(f"{name} values must lie in [0, {size - 1}], got [{lo}, {hi}]")
+    if torch.unique(m).numel() != m.numel():
+        raise ValueError(f"{name} must not repeat a position ({m.numel()} entries, {torch.unique(m).numel()} distinct)")
+    return m.numel()
+
+
+def check_maps(q: torch.Tensor, k: torch.Tensor, row_map: torch.Tensor | None, col_map: torch.Tensor | None,
+               row_pos: torch.Tensor | None, varlen: bool) -> Maps | None:
+    """Validate a permutation read in place (dense q [B, Hq, Nq, D], k [B, Hkv, Nk, D]) before any launch:
+    row_map int32 [Nq_r] (q rows), col_map int32 [Nk_r] (k/v rows), each distinct and in range; row_pos,
+    when given, is the region frame over [Nq_r] x [Nk_r] (check_frame). None when neither map is given."""
+    if row_map is None and col_map is None:
+        return None
+    if varlen:
+        raise ValueError("row_map/col_map (a permutation read in place) take the dense [B, H, N, D] layout, not cu_seqlens")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, N, D] with row_map/col_map, got {tuple(q.shape)} and {tuple(k.shape)}")
+    q_len = q.shape[2] if row_map is None else _check_map("row_map", row_map, q.shape[2], q.device)
+    kv_len = k.shape[2] if col_map is None else _check_map("col_map", col_map, k.shape[2], q.device)
+    if row_pos is not None:
+        if row_pos.device != q.device:
+            raise ValueError(f"row_pos is on {row_pos.device}, q on {q.device}")
+        from ..patterns._common import check_frame
+
+        check_frame(q_len, kv_len, row_pos)
+    return Maps(q_len, kv_len, k.shape[2] - q.shape[2], col_map is not None)

@@ -8,7 +8,9 @@ through the KV head of the query head's GQA group: they are never repeated in me
 Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformers order; any strides with
 a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
 bottom-right aligned (row i sits at key position i + kv_len - q_len), or, for a permuted modality region,
-at row_pos[i]. Outputs: out like q; lse fp32
+at row_pos[i]. A permutation (a modality region, a grid head's stride/phase order) is read in place
+through int32 row/column maps: Q loads, O/lse stores and K/V loads go through them, causality compares
+original positions; without maps the flags are constexpr off and the kernel is the plain one. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -21,15 +23,17 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex, num_blocks
-from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpreting, load_kv_tile, online_update
+from ._common import (
+    LOG2E, bhn_strides, block_d, check_layout, check_maps, dot_f32, interpreting, load_kv_tile, online_update,
+)
 
 
 @triton.jit
 def _block_sparse_fwd(
     Q, K, V, O, LSE,
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
-    CU_Q, CU_K, HEAD_MAP, ROW_POS,
-    qk_scale, q_len_max, kv_len_max, window, sink, heads_per_batch,
+    CU_Q, CU_K, HEAD_MAP, ROW_POS, ROW_MAP, COL_MAP,
+    qk_scale, q_len_max, kv_len_max, window, sink, heads_per_batch, pos_shift,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -43,6 +47,7 @@ def _block_sparse_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
+    HAS_ROW_MAP: tl.constexpr, HAS_COL_MAP: tl.constexpr, STORE_MAPPED: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -83,12 +88,22 @@ def _block_sparse_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
     row_ok = offs_m < q_len
+    if HAS_ROW_MAP:
+        # Permuted rows read in place: row i of the region is row ROW_MAP[i] of q (and of out/lse).
+        q_rows = tl.load(ROW_MAP + offs_m, mask=row_ok, other=0)
+    else:
+        q_rows = offs_m
     if HAS_ROW_POS:
         # A permuted region: each row's frontier among the keys (-1: none yet; padded rows too).
         pos = tl.load(ROW_POS + offs_m, mask=row_ok, other=-1)
+    elif HAS_ROW_MAP and not HAS_COL_MAP:
+        pos = q_rows + pos_shift  # rows permuted, keys in place: the frontier is the original position
     else:
         pos = offs_m + (kv_len - q_len)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + offs_m).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    if HAS_COL_MAP:
+        # Permuted keys: causality compares original positions (the permutation need not keep order).
+        q_orig = tl.where(row_ok, q_rows + pos_shift, -1)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + q_rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start.to(tl.int64) * stride_vn
@@ -106,6 +121,8 @@ def _block_sparse_fwd(
     for t in range(0, n_full * SPLIT):
         kb = tl.load(full_base + t // SPLIT)
         cols = kb * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
+        if HAS_COL_MAP:
+            cols = tl.load(COL_MAP + cols)
         kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
         vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
         m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
@@ -117,9 +134,14 @@ def _block_sparse_fwd(
         kb = tl.load(part_base + t // SPLIT)
         cols = kb * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
         col_ok = cols < kv_len
-        kt = load_kv_tile(k_base, cols, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, True)
-        vt = load_kv_tile(v_base, cols, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, False)
-        ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+        if HAS_COL_MAP:
+            k_cols = tl.load(COL_MAP + cols, mask=col_ok, other=0)
+            ok = col_ok[None, :] & (k_cols[None, :] <= q_orig[:, None])
+        else:
+            k_cols = cols
+            ok = col_ok[None, :] & (cols[None, :] <= pos[:, None])
+        kt = load_kv_tile(k_base, k_cols, stride_kn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, True)
+        vt = load_kv_tile(v_base, k_cols, stride_vn, offs_d, col_ok, HEAD_DIM, BLOCK_D, True, False)
         if HAS_WINDOW:
             ok = ok & (((pos[:, None] - cols[None, :]) < window) | (cols[None, :] < sink))
         m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
@@ -131,18 +153,27 @@ def _block_sparse_fwd(
         for start in range(0, n_col, TILE_N):
             live = start + offs_t < n_col
             cols = tl.load(col_base + start + offs_t, mask=live, other=0)
-            kt = load_kv_tile(k_base, cols, stride_kn, offs_d, live, HEAD_DIM, BLOCK_D, True, True)
-            vt = load_kv_tile(v_base, cols, stride_vn, offs_d, live, HEAD_DIM, BLOCK_D, True, False)
-            ok = live[None, :] & (cols[None, :] <= pos[:, None])
+            if HAS_COL_MAP:
+                k_cols = tl.load(COL_MAP + cols, mask=live, other=0)
+                ok = live[None, :] & (k_cols[None, :] <= q_orig[:, None])
+            else:
+                k_cols = cols
+                ok = live[None, :] & (cols[None, :] <= pos[:, None])
+            kt = load_kv_tile(k_base, k_cols, stride_kn, offs_d, live, HEAD_DIM, BLOCK_D, True, True)
+            vt = load_kv_tile(v_base, k_cols, stride_vn, offs_d, live, HEAD_DIM, BLOCK_D, True, False)
             m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     # m_i is in log2 units of the scaled scores; lse is reported in natural log.
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + (q_start + offs_m).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    if STORE_MAPPED:
+        o_rows = q_rows  # written in original positions: no un-permute pass
+    else:
+        o_rows = offs_m
+    o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + (q_start + o_rows).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + offs_m).to(tl.int64) * stride_ln
+    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + o_rows).to(tl.int64) * stride_ln
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
@@ -216,6 +247,8 @@ def block_sparse_attention(
     lse: torch.Tensor | None = None,
     config: dict | None = None,
     row_pos: torch.Tensor | None = None,
+    row_map: torch.Tensor | None = None,
+    col_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of q over the keys the index admits.
 
@@ -226,19 +259,28 @@ def block_sparse_attention(
     head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages) for tuning; None picks per device.
-    row_pos: int64 [Nq], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
-    admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq may exceed Nk.
+    row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
+    admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq_r may exceed Nk_r.
+    row_map / col_map (dense layout; kernels/_common.check_maps): int32 [Nq_r] / [Nk_r], a permutation read
+    in place — region row i is q row row_map[i], region key j is k/v row col_map[j]; the index lives in
+    those region coordinates. With col_map, causality compares original positions
+    (col_map[j] <= row_map[i] + Nk - Nq), so the maps need not keep order; the window/sink frame is
+    row_pos, else (row_map only) the original position, else bottom-right in region coordinates. out/lse given with Nq rows:
+    written at row_map[i] (original positions); None or Nq_r rows: compact, row i at i.
     """
-    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos)
+    maps = check_maps(q, k, row_map, col_map, row_pos, cu_seqlens_q is not None or cu_seqlens_k is not None)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos if maps is None else None)
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
-    q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
+    q_len_max, kv_len_max = (layout.q_len_max, layout.kv_len_max) if maps is None else (maps.q_len, maps.kv_len)
     space_heads = kv_heads if index.head_space == "kv" else q_heads
     served = _check_head_map(heads, space_heads, q.device)
     check_index(index, batch, space_heads if served is None else served, q_len_max, q.device)
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    lse_shape = (q_heads, q.shape[0]) if varlen else (batch, q_heads, q_len_max)
-    out = _check_out("out", out, q.shape, q.dtype, q.device) if out is not None else torch.empty_like(q)
+    store_mapped = maps is not None and row_map is not None and out is not None and out.shape[2] == q.shape[2]
+    out_shape = q.shape if maps is None or store_mapped else (batch, q_heads, q_len_max, head_dim)
+    lse_shape = (q_heads, q.shape[0]) if varlen else (batch, q_heads, out_shape[2])
+    out = _check_out("out", out, out_shape, q.dtype, q.device) if out is not None else q.new_empty(out_shape)
     lse = _check_out("lse", lse, lse_shape, torch.float32, q.device) if lse is not None else torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     sq, sk, sv, so = (bhn_strides(t, varlen) for t in (q, k, v, out))
     sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
@@ -254,7 +296,9 @@ def block_sparse_attention(
         index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
         layout.cu_q, layout.cu_k, heads if served is not None else index.full_count,
         row_pos if row_pos is not None else index.full_count,
+        row_map if row_map is not None else index.full_count, col_map if col_map is not None else index.full_count,
         scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
+        0 if maps is None else maps.pos_shift,
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(index.full_count), *_index_strides(index.full_idx),
         *_index_strides(index.partial_idx), *_index_strides(index.col_idx),
@@ -262,6 +306,7 @@ def block_sparse_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
         USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
+        HAS_ROW_MAP=row_map is not None, HAS_COL_MAP=col_map is not None, STORE_MAPPED=store_mapped,
         **(config or _launch_config(index.block_m, index.block_n, head_dim)),
     )
     return out, lse

@@ -10,12 +10,13 @@ backend is what the runtime uses when the tensors live on the CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..index import BlockIndex, num_blocks
 from ..patterns._common import row_positions
-from ._common import check_qkv, check_row_pos
+from ._common import check_maps, check_qkv, check_row_pos
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
 DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
@@ -32,17 +33,26 @@ def block_sparse_attention_torch(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     row_pos: torch.Tensor | None = None,
+    row_map: torch.Tensor | None = None,
+    col_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D] (q dtype), lse fp32 [B, Hq, Nq].
 
     heads: int32 [Hs] index-space head ids this call computes (index row i = head heads[i]); others untouched.
-    row_pos: int64 [Nq], a permuted modality region's frame — row i admits keys j <= row_pos[i] (-1: none;
+    row_pos: int64 [Nq_r], a permuted modality region's frame — row i admits keys j <= row_pos[i] (-1: none;
     patterns/boundary.py); None: the bottom-right causal frame.
+    row_map / col_map: int32 [Nq_r] / [Nk_r], a permutation read in place, as in ``block_sparse_attention``:
+    query rows and keys are gathered chunk by chunk through the maps (never a whole permuted copy),
+    causality compares original positions when col_map is given, and out/lse given with Nq rows are
+    written at row_map[i]; None or Nq_r rows: compact.
     """
-    check_qkv(q, k, v, varlen=False, region=row_pos is not None)
-    check_row_pos(q, k, row_pos)
-    batch, q_heads, q_len, dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    maps = check_maps(q, k, row_map, col_map, row_pos, varlen=False)
+    check_qkv(q, k, v, varlen=False, region=row_pos is not None or maps is not None)
+    if maps is None:
+        check_row_pos(q, k, row_pos)
+    batch, q_heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    q_len, kv_len = (q.shape[2], k.shape[2]) if maps is None else (maps.q_len, maps.kv_len)
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     space = kv_heads if index.head_space == "kv" else q_heads
@@ -56,35 +66,73 @@ def block_sparse_attention_torch(
     q_ids = (ids[:, None] * per_row + torch.arange(per_row)[None, :]) if index.head_space == "kv" else ids[:, None]
     q_ids = q_ids.to(q.device)
     kv_ids = q_ids // group
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
+    store_mapped = row_map is not None and out is not None and out.shape[2] == q.shape[2]
+    out_rows = q.shape[2] if maps is None or store_mapped else q_len
+    out = q.new_empty(batch, q_heads, out_rows, dim) if out is None else out
+    lse = torch.empty(batch, q_heads, out_rows, dtype=torch.float32, device=q.device) if lse is None else lse
 
     bm, bn = index.block_m, index.block_n
     kb_total = num_blocks(kv_len, bn)
-    # K/V as blocks, one zero block appended as the target of padding slots.
-    pad = (kb_total + 1) * bn - kv_len
-    k_blk = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
-    v_blk = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
-    k_tok = torch.nn.functional.pad(k, (0, 0, 0, 1))  # a zero token for padded column slots
+    k_tok = torch.nn.functional.pad(k, (0, 0, 0, 1))  # a zero token for padded slots
     v_tok = torch.nn.functional.pad(v, (0, 0, 0, 1))
     q_blocks = num_blocks(q_len, bm)
-    # Key-frame position per query row, padded with -1 (admits nothing) up to whole query blocks.
-    positions = torch.full((q_blocks * bm,), -1, dtype=torch.int64, device=q.device)
-    positions[:q_len] = row_positions(q_len, kv_len, q.device, row_pos)
+    frame = _frame(q, k, q_len, kv_len, q_blocks * bm, (kb_total + 1) * bn, row_pos, row_map, col_map, store_mapped)
+    if col_map is None:
+        # K/V as blocks, one zero block appended as the target of padding slots.
+        pad = (kb_total + 1) * bn - kv_len
+        k_blk = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
+        v_blk = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(batch, kv_heads, kb_total + 1, bn, dim)
+    else:
+        k_blk = v_blk = None  # keys come through the column map, token by token
     widths = (index.full_idx.shape[-1] + index.partial_idx.shape[-1]) * bn + (0 if index.col_idx is None else index.col_idx.shape[-1])
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * widths))
     # Wide lists (most keys listed): a masked matmul over all keys beats gathering them block by block.
-    wide = widths >= DENSE_SHARE * kv_len
+    # Not under a map: it would need every key in region order, a whole permuted copy.
+    wide = widths >= DENSE_SHARE * kv_len and maps is None
     if wide:
         k_sel, v_sel = k.index_select(1, kv_ids.flatten()), v.index_select(1, kv_ids.flatten())  # [B, S, Nk, D]
         rows_per_chunk = max(1, CHUNK_BYTES // max(1, 4 * batch * q_ids.numel() * bm * kv_len))
     for start in range(0, q_blocks, rows_per_chunk):
         stop = min(q_blocks, start + rows_per_chunk)
         if wide:
-            _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, positions, scale, out, lse)
+            _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, frame.positions, scale, out, lse)
         else:
-            _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, positions, scale, kb_total, out, lse)
+            _chunk(q, (k_blk, v_blk, k_tok, v_tok), index, q_ids, kv_ids, start, stop, q_len, kv_len, frame, scale, kb_total, out, lse)
     return out, lse
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """Where the rows and keys of one call live. positions int64 [QB*bm]: each row's frontier in the key
+    frame (window/sink and, without a column map, causality), -1 past q_len; q_src / o_rows int64 [q_len]:
+    the q row each row reads and the out row it writes; key_src int64 [(KB+1)*bn] or None: the k/v row of
+    each key slot (Nk, a zero token, past kv_len); q_orig int64 [QB*bm] or None: original positions for
+    causality under a column map (-1 past q_len)."""
+
+    positions: torch.Tensor
+    q_src: torch.Tensor
+    o_rows: torch.Tensor
+    key_src: torch.Tensor | None
+    q_orig: torch.Tensor | None
+
+
+def _frame(q, k, q_len, kv_len, rows_padded, keys_padded, row_pos, row_map, col_map, store_mapped) -> _Frame:
+    device = q.device
+    shift = k.shape[2] - q.shape[2]
+    q_src = torch.arange(q_len, device=device) if row_map is None else row_map.long()
+    positions = torch.full((rows_padded,), -1, dtype=torch.int64, device=device)
+    if row_pos is None and row_map is not None and col_map is None:
+        positions[:q_len] = q_src + shift  # rows permuted, keys in place: the frontier is the original position
+    else:
+        positions[:q_len] = row_positions(q_len, kv_len, device, row_pos)
+    key_src = q_orig = None
+    if col_map is not None:
+        key_src = torch.full((keys_padded,), k.shape[2], dtype=torch.int64, device=device)
+        key_src[:kv_len] = col_map.long()
+        q_orig = torch.full((rows_padded,), -1, dtype=torch.int64, device=device)
+        q_orig[:q_len] = q_src + shift
+    o_rows = q_src if store_mapped else torch.arange(q_len, device=device)
+    return _Frame(positions, q_src, o_rows, key_src, q_orig)
 
 
 def _lists(count: torch.Tensor, idx: torch.Tensor, pad_value: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +141,11 @@ def _lists(count: torch.Tensor, idx: torch.Tensor, pad_value: int) -> tuple[torc
     return torch.where(valid, idx.long(), torch.full_like(idx, pad_value, dtype=torch.long)), valid
 
 
-def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_len, kv_len, positions, scale, kb_total, out, lse):
-    """Attention of query blocks [start, stop) for every served head. Shapes: R index rows, G query heads per row."""
+def _chunk(q, kv, index, q_ids, kv_ids, start, stop, q_len, kv_len, frame: _Frame, scale, kb_total, out, lse):
+    """Attention of query blocks [start, stop) for every served head. Shapes: R index rows, G query heads
+    per row. kv: (k_blk, v_blk) [B, Hkv, KB+1, bn, D] (None under a column map) and (k_tok, v_tok)
+    [B, Hkv, Nk+1, D]."""
+    k_blk, v_blk, k_tok, v_tok = kv
     batch, dim = q.shape[0], q.shape[-1]
     bm, bn = index.block_m, index.block_n
     sl = slice(start, stop)
@@ -107,15 +158,19 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     # Gather key blocks per (batch, served query head): [B, R, G, C, W*bn, D].
     b_ix = torch.arange(batch, device=q.device)[:, None, None, None, None]
     kvh = kv_ids[None, :, :, None, None]
-    blk = blocks[:, :, None, :, :]
-    keys = k_blk[b_ix, kvh, blk].flatten(-3, -2)
-    vals = v_blk[b_ix, kvh, blk].flatten(-3, -2)
     key_pos = (blocks[..., None] * bn + torch.arange(bn, device=q.device)).flatten(-2)  # [B, R, C, W*bn]
+    if frame.key_src is None:
+        blk = blocks[:, :, None, :, :]
+        keys = k_blk[b_ix, kvh, blk].flatten(-3, -2)
+        vals = v_blk[b_ix, kvh, blk].flatten(-3, -2)
+    else:
+        src = frame.key_src[key_pos][:, :, None]  # the permuted keys, read where they lie
+        keys, vals = k_tok[b_ix, kvh, src], v_tok[b_ix, kvh, src]
     key_partial = is_partial[..., None].expand(*is_partial.shape, bn).flatten(-2)
     key_ok = key_pos < kv_len  # padding slots point at block kb_total, past kv_len
     if index.col_count is not None:
         cols, col_ok = _lists(index.col_count[:, :, sl], index.col_idx[:, :, sl], kv_len)
-        col = cols[:, :, None]
+        col = cols[:, :, None] if frame.key_src is None else frame.key_src[cols][:, :, None]
         keys = torch.cat([keys, k_tok[b_ix, kvh, col]], dim=-2)
         vals = torch.cat([vals, v_tok[b_ix, kvh, col]], dim=-2)
         key_pos = torch.cat([key_pos, cols], dim=-1)
@@ -124,12 +179,17 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     # Queries of the chunk: [B, R, G, C, bm, D] (rows past q_len padded with zeros, dropped at the end).
     row0, row1 = start * bm, min(q_len, stop * bm)
     q_rows = torch.zeros(batch, rows_, per_row, n_chunk * bm, dim, dtype=torch.float32, device=q.device)
-    q_rows[..., : row1 - row0, :] = q[b_ix[..., 0], q_ids[None, :, :, None], torch.arange(row0, row1, device=q.device)].float()
+    q_rows[..., : row1 - row0, :] = q[b_ix[..., 0], q_ids[None, :, :, None], frame.q_src[row0:row1]].float()
     q_rows = q_rows.view(batch, rows_, per_row, n_chunk, bm, dim)
     scores = torch.einsum("brgcmd,brgckd->brgcmk", q_rows, keys.float()) * scale
-    pos = positions[start * bm : stop * bm].view(n_chunk, bm)
+    pos = frame.positions[start * bm : stop * bm].view(n_chunk, bm)
     kp = key_pos[:, :, None, :, None, :]
-    ok = key_ok[:, :, None, :, None, :] & (kp <= pos[None, None, None, :, :, None])
+    if frame.key_src is None:
+        ok = key_ok[:, :, None, :, None, :] & (kp <= pos[None, None, None, :, :, None])
+    else:  # causality in original positions: the column map need not keep order
+        q_orig = frame.q_orig[start * bm : stop * bm].view(n_chunk, bm)
+        k_orig = frame.key_src[key_pos.clamp(max=frame.key_src.numel() - 1)][:, :, None, :, None, :]
+        ok = key_ok[:, :, None, :, None, :] & (k_orig <= q_orig[None, None, None, :, :, None])
     if index.window >= 0:
         token = ((pos[None, None, None, :, :, None] - kp) < index.window) | (kp < index.sink)
         ok = ok & (~key_partial[:, :, None, :, None, :] | token)
@@ -140,8 +200,9 @@ def _chunk(q, k_blk, v_blk, k_tok, v_tok, index, q_ids, kv_ids, start, stop, q_l
     row_lse = row_lse.reshape(batch, rows_, per_row, n_chunk * bm)
     n_rows = row1 - row0
     heads_flat = q_ids.reshape(-1)
-    out[:, heads_flat, row0:row1] = res[..., :n_rows, :].reshape(batch, -1, n_rows, dim).to(out.dtype)
-    lse[:, heads_flat, row0:row1] = row_lse[..., :n_rows].reshape(batch, -1, n_rows)
+    dst = frame.o_rows[row0:row1]
+    out[:, heads_flat[:, None], dst] = res[..., :n_rows, :].reshape(batch, -1, n_rows, dim).to(out.dtype)
+    lse[:, heads_flat[:, None], dst] = row_lse[..., :n_rows].reshape(batch, -1, n_rows)
 
 
 def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, positions, scale, out, lse):

@@ -11,8 +11,10 @@ and the torch reference path take ``row_pos`` and work in that frame, so a patte
 in every region: A-shape keeps the first ``sink`` keys of the region and the ``local`` keys just behind
 each row's frontier; a slash at offset d is the key d behind the frontier; block top-k forces the
 frontier's blocks. Intra-modality regions have the identity frame (row_pos None, the square causal case).
-Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU) over contiguous copies of
-its rows and keys (``Region.gather``); reading them in place is the job of the permutation kernels.
+Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU), which read its rows and
+keys in place through int32 maps (``Region.maps``: Q loads and O/lse stores through q_idx, K/V loads
+through k_idx; no permuted copies, no un-permute pass). ``Region.gather`` (contiguous copies) remains for
+the search's scoring and for the estimates of dynamic patterns, which need the region's keys in order.
 
 Which regions a boundary type composes (rows of one modality always merge their regions' partial
 outputs by log-sum-exp into the exact attention over the union of the regions' keys):
@@ -56,6 +58,13 @@ class Region:
         """Causal (row, key) pairs of the region."""
         return causal_entries(self.q_idx.numel()) if self.row_pos is None else region_causal_entries(self.row_pos)
 
+    def maps(self, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The region read in place (kernels' row_map / col_map): int32 q_idx [Nq] and k_idx [Nk] on
+        ``device``, None for a side that is every token in order (``all``)."""
+        row_map = None if self.q_mod == ALL else self.q_idx.to(device=device, dtype=torch.int32)
+        col_map = None if self.k_mod == ALL else self.k_idx.to(device=device, dtype=torch.int32)
+        return row_map, col_map
+
     def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, Hq, N, D], k/v [B, Hkv, N, D] -> the region's rows and keys (copies along the token axis;
         the whole sequence, all x all, is returned as is)."""
@@ -80,6 +89,12 @@ def positions(modality: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch
 
     modality: int [N], ids indexing ``names`` (models.modality_ids: 0 text, 1 image, 2 video)."""
     modality = modality.flatten().long()
+    if modality.numel() == 0:
+        raise ValueError("modality ids are empty: one id per token is needed")
+    lo, hi = int(modality.min()), int(modality.max())
+    if lo < 0 or hi >= len(names):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"modality id {bad} names no modality: ids index {names} (0..{len(names) - 1})")
     out = {ALL: torch.arange(modality.numel(), device=modality.device)}
     for i, name in enumerate(names):
         idx = (modality == i).nonzero().flatten()
@@ -89,7 +104,11 @@ def positions(modality: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch
 
 
 def make_region(q_mod: str, k_mod: str, pos: dict[str, torch.Tensor]) -> Region | None:
-    """The region of rows q_mod x keys k_mod, or None when it holds no causal pair."""
+    """The region of rows q_mod x keys k_mod, or None when it holds no causal pair. ValueError names a
+    modality that is unknown or has no token in this sequence."""
+    for name in (q_mod, k_mod):
+        if name not in pos:
+            raise ValueError(f"modality {name!r} is unknown or absent here (present: {sorted(pos)})")
     q_idx, k_idx = pos[q_mod], pos[k_mod]
     if q_mod == k_mod:
         return Region(q_mod, k_mod, q_idx, k_idx, None)

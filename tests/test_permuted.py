@@ -1,0 +1,409 @@
+"""Permutations read in place (issue 14; paper 000 Alg. 1-3, 5-7): the block-sparse kernel and its torch
+twin take int32 row/column maps, so grid heads and Q/K/2D-boundary regions run on the whole Q/K/V with
+outputs written in original positions.
+
+References are masks built from the definitions in original positions (region frame -> original rows and
+keys; the grid's lines, band and permuted blocks), run by the oracle on the unpermuted tensors; the
+gathered-copy path is a second, independent check. Inputs: multi-span layouts with odd span lengths,
+GQA 4:2, batch 2, fp32 everywhere and bf16 through the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from sparsesearch.execute import HeadGroup, attend_boundary, build_group_index, run_region
+from sparsesearch.kernels import block_sparse_attention
+from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
+from sparsesearch.patterns import ashape, boundary, dense, grid, vertical_slash
+from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, pool_mask, predicate_mask_fn, relative_error
+from sparsesearch.runtime.plan import LayerPlan, Plan
+from sparsesearch.runtime.run import Runner
+
+NAMES = ("text", "image", "video")
+SCALE = 0.125
+# Fragmented video/text (and one image span), odd lengths, text first so every row sees a key.
+LAYOUT = [(0, 13), (2, 37), (0, 9), (1, 21), (2, 45), (0, 27), (2, 11), (0, 15)]
+# A shorter fragmented layout for the interpreter (4 regions of two modalities, odd spans).
+SMALL = [(0, 13), (2, 21), (0, 9), (2, 17), (0, 7)]
+BACKENDS = {"torch": block_sparse_attention_torch, "triton": block_sparse_attention}
+
+
+def layout_ids(layout=LAYOUT) -> torch.Tensor:
+    return torch.cat([torch.full((n,), m, dtype=torch.long) for m, n in layout])
+
+
+def qkv(n: int, batch: int = 2, q_heads: int = 4, kv_heads: int = 2, dim: int = 64, seed: int = 0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, h, n, dim, generator=gen).to(DEVICE, dtype) for h in (q_heads, kv_heads, kv_heads))
+
+
+def tolerance(out_low: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Twice the low-precision oracle's own error plus the dtype floor (STYLE.md habit 4)."""
+    return 2 * relative_error(out_low, ref) + error_floor(dtype, DEVICE)
+
+
+# --------------------------------------------------------------------------------- region definitions
+
+
+def region_frame_mask(region: boundary.Region, pattern: str, params) -> torch.Tensor:
+    """bool [Nq_r, Nk_r]: the pattern's definition in the region frame (patterns/boundary.py): row i admits
+    key j <= row_pos[i]; A-shape keeps the first `sink` keys and the `local` keys behind the frontier."""
+    nq, nk = region.q_idx.numel(), region.k_idx.numel()
+    frontier = region.row_pos if region.row_pos is not None else torch.arange(nq)
+    j = torch.arange(nk)[None, :]
+    f = frontier.cpu()[:, None]
+    causal = j <= f
+    if pattern == "dense":
+        return causal
+    if pattern == "ashape":
+        return causal & ((j < params.sink) | (f - j < params.local))
+    raise AssertionError(pattern)
+
+
+def original_mask(region: boundary.Region, frame_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """[Nq_r, Nk_r] region-frame mask -> [Nq_r, n] over original keys, also asserting that it is causal by
+    original position (the property the region frame promises)."""
+    full = torch.zeros(frame_mask.shape[0], n, dtype=torch.bool)
+    full[:, region.k_idx.cpu()] = frame_mask
+    assert not bool((full & (torch.arange(n)[None, :] > region.q_idx.cpu()[:, None])).any())
+    return full
+
+
+def oracle_rows(q, k, v, rows: torch.Tensor, mask: torch.Tensor, upcast: bool = True):
+    """The oracle over the region's rows of the whole q and every original key: mask [len(rows), N] or
+    [B, Hq, len(rows), N]."""
+    m = mask.to(q.device)
+    m = m if m.dim() == 4 else m[None, None]
+    return masked_attention(q[:, :, rows.to(q.device)], k, v, lambda r: m[..., r.cpu(), :], scale=SCALE, upcast=upcast)
+
+
+def run_mapped(fn, q, k, v, index, region, full_out: bool):
+    """One launch reading the region in place; full_out: out/lse of the whole q (written at row_map)."""
+    row_map, col_map = region.maps(q.device)
+    if not full_out:
+        return fn(q, k, v, index, scale=SCALE, row_pos=region.row_pos, row_map=row_map, col_map=col_map)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    fn(q, k, v, index, scale=SCALE, row_pos=region.row_pos, row_map=row_map, col_map=col_map, out=out, lse=lse)
+    rows = region.q_idx.to(q.device)
+    untouched = torch.ones(q.shape[2], dtype=torch.bool, device=q.device)
+    untouched[rows] = False
+    assert bool(out[:, :, untouched].isnan().all()), "a launch wrote rows outside its region"
+    return out[:, :, rows], lse[:, :, rows]
+
+
+@pytest.mark.parametrize("kind", ["q", "k", "2d"])
+@pytest.mark.parametrize("pattern, params", [("dense", dense.DenseParams()), ("ashape", ashape.AShapeParams(sink=5, local=19))],
+                         ids=["dense", "ashape"])
+def test_torch_backend_reads_regions_in_place_like_their_definition(kind, pattern, params):
+    """Every region of every boundary type, compact and in-place outputs, against the oracle on the mask
+    built from the pattern's definition in the region frame (batch 2, GQA, odd spans)."""
+    ids = layout_ids()
+    n = ids.numel()
+    q, k, v = qkv(n)
+    for region in boundary.regions(kind, ids, NAMES):
+        index = _static_region_index(pattern, params, region, batch=2)
+        ref, ref_lse = oracle_rows(q, k, v, region.q_idx, original_mask(region, region_frame_mask(region, pattern, params), n))
+        for full_out in (False, True):
+            out, lse = run_mapped(block_sparse_attention_torch, q, k, v, index, region, full_out)
+            assert relative_error(out, ref) < 1e-5, (region.name, full_out)
+            assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), region.name
+
+
+def _static_region_index(pattern, params, region, batch: int):
+    module = {"dense": dense, "ashape": ashape}[pattern]
+    return module.build_index(params, region.q_idx.numel(), region.k_idx.numel(), batch=batch, heads=2, block_m=16,
+                              block_n=16, head_space="kv", row_pos=region.row_pos)
+
+
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "q"), (torch.float32, "k"), (torch.float32, "2d"), (torch.bfloat16, "2d")],
+                         ids=["fp32-q", "fp32-k", "fp32-2d", "bf16-2d"])
+def test_triton_kernel_reads_regions_in_place(dtype, kind):
+    """The Triton kernel with row/col maps (interpreter on CPU) on the regions of a fragmented layout:
+    A-shape from its definition; vertical-slash (estimated from the region's own last queries) against
+    its index's token mask mapped to original positions and against the gathered-copy launch."""
+    ids = layout_ids(SMALL)
+    n = ids.numel()
+    q, k, v = qkv(n, dtype=dtype)
+    a_params = ashape.AShapeParams(sink=5, local=19)
+    vs_params = vertical_slash.VerticalSlashParams(vertical_size=9, slash_size=5, last_q=16, force_vertical=2, force_slash=2)
+    for region in boundary.regions(kind, ids, NAMES):
+        index = _static_region_index("ashape", a_params, region, batch=2)
+        mask = original_mask(region, region_frame_mask(region, "ashape", a_params), n)
+        ref, ref_lse = oracle_rows(q, k, v, region.q_idx, mask)
+        low, _ = oracle_rows(q, k, v, region.q_idx, mask, upcast=False)
+        out, lse = run_mapped(block_sparse_attention, q, k, v, index, region, full_out=True)
+        assert relative_error(out, ref) <= tolerance(low, ref, dtype), region.name
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), region.name
+        if kind != "2d":
+            continue  # the dynamic pattern once per dtype: its region frames are the 2D ones
+        q_r, k_r, v_r = region.gather(q, k, v)
+        row_pos = None if region.row_pos is None else region.row_pos.to(DEVICE)
+        vs = build_group_index(HeadGroup("vertical_slash", vs_params, (0, 1), 16, 16), q_r, k_r, "kv", row_pos)
+        frame = index_mask_fn(vs, q_r.shape[2], k_r.shape[2], group=2, row_pos=row_pos)(torch.arange(q_r.shape[2]))
+        full = torch.zeros(*frame.shape[:3], n, dtype=torch.bool)
+        full[..., region.k_idx.cpu()] = frame.cpu()
+        ref, _ = oracle_rows(q, k, v, region.q_idx, full)
+        low, _ = oracle_rows(q, k, v, region.q_idx, full, upcast=False)
+        out, _ = run_mapped(block_sparse_attention, q, k, v, vs, region, full_out=False)
+        gathered, _ = block_sparse_attention(q_r, k_r, v_r, vs, scale=SCALE, row_pos=row_pos)
+        assert relative_error(out, ref) <= tolerance(low, ref, dtype), region.name
+        # Same tiles, same order: reading in place only changes addresses.
+        assert torch.equal(out, gathered), region.name
+
+
+# ------------------------------------------------------------------------------------------- executor
+
+
+def _groups(pattern, params, heads=(0, 1)):
+    return lambda scope: (HeadGroup(pattern, params, heads, 16, 16),)
+
+
+@pytest.mark.parametrize("kind", ["q", "k", "2d"])
+def test_attend_boundary_in_place_equals_the_gathered_composition(kind):
+    """The runtime's boundary path (no gathered copies; Q-boundary writing out directly) against regions
+    run on gathered copies and composed by lse — and against the definition for a dense pattern."""
+    ids = layout_ids()
+    n = ids.numel()
+    q, k, v = (t[:1] for t in qkv(n))
+    params = ashape.AShapeParams(sink=5, local=19)
+    out = torch.full_like(q, float("nan"))
+    done = attend_boundary(((0, kind), (1, kind)), _groups("ashape", params), q, k, v, ids, "kv", SCALE, out)
+    assert done == {0, 1}
+    parts = []
+    for region in boundary.regions(kind, ids, NAMES):
+        q_r, k_r, v_r = region.gather(q, k, v)
+        index = build_group_index(HeadGroup("ashape", params, (0, 1), 16, 16), q_r, k_r, "kv", region.row_pos)
+        o, l = block_sparse_attention_torch(q_r, k_r, v_r, index, scale=SCALE, row_pos=region.row_pos)
+        parts.append((region, o, l))
+    composed, _ = boundary.compose(parts, n)
+    assert relative_error(out, composed) < 1e-5
+    dense_out = torch.full_like(q, float("nan"))
+    attend_boundary(((0, kind), (1, kind)), _groups("dense", dense.DenseParams()), q, k, v, ids, "kv", SCALE, dense_out)
+    ref, _ = masked_attention(q, k, v, scale=SCALE)  # dense regions compose to causal attention
+    assert relative_error(dense_out, ref) < 1e-5
+
+
+def test_run_region_leaves_the_inputs_alone_and_returns_region_rows():
+    ids = layout_ids()
+    q, k, v = (t[:1] for t in qkv(ids.numel()))
+    before = [t.clone() for t in (q, k, v)]
+    region = boundary.make_region("video", "text", boundary.positions(ids, NAMES))
+    out, lse = run_region(q, k, v, region, [HeadGroup("dense", dense.DenseParams(), (1,), 16, 16)], "kv", SCALE)
+    assert out.shape == (1, 4, region.q_idx.numel(), 64) and lse.shape == (1, 4, region.q_idx.numel())
+    assert bool(torch.isinf(lse[:, :2]).all()) and not bool(torch.isinf(lse[:, 2:]).all())  # head 0 unserved
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+# ----------------------------------------------------------------------------------------------- grid
+
+GRIDS = [
+    (150, 150, grid.GridParams(stride=7, phase=3, local=20)),
+    (97, 131, grid.GridParams(stride=5, phase=0, use_slash=True, local=9)),
+    (203, 203, grid.GridParams(stride=16, phase=5, use_hline=False, local=16)),
+]
+
+
+@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=["hv", "hvs-offset", "v-only"])
+def test_permuted_cover_holds_the_predicate_and_is_its_pooled_superset(q_len, kv_len, params):
+    """Attention-gym style: predicate -> dense mask -> permuted by line_order -> pooled blocks must lie in
+    the builder's cover; the cover's tokens (in original positions) hold every admitted token."""
+    bm = bn = 16
+    pred = predicate_mask_fn(grid.predicate(params), 1, 1, q_len, kv_len)(torch.arange(q_len))[0, 0]
+    hit, is_full, rows, cols = grid.permuted_cover(params, q_len, kv_len, bm, bn)
+    pooled_any, _ = pool_mask(pred[rows][:, cols][None, None], bm, bn)
+    assert not bool((pooled_any[0, 0] & ~hit).any())
+    tokens = grid.permuted_mask(params, q_len, kv_len, block_m=bm, block_n=bn)
+    assert not bool((pred & ~tokens).any())
+    # Full blocks need no mask: every key precedes every row of the block in original positions.
+    offset = kv_len - q_len
+    slot_rows = rows + offset  # original position of each permuted row slot
+    for qb, kb in is_full.nonzero().tolist()[:50]:
+        r = slot_rows[qb * bm:(qb + 1) * bm]
+        c = cols[kb * bn:(kb + 1) * bn]
+        assert int(c.max()) <= int(r.min())
+    # The permutation is the point: vertical lines gather into whole key blocks.
+    plain = grid.build_index(params, q_len, kv_len, block_m=bm, block_n=bn)
+    plain_blocks = int(plain.full_count.sum() + plain.partial_count.sum())
+    if not params.use_slash:  # slash lines stay spread over the rest (the permutation gathers lines only)
+        assert int(hit.sum()) < plain_blocks
+
+
+@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=["hv", "hvs-offset", "v-only"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_permuted_grid_in_kernel_equals_its_definition(q_len, kv_len, params, backend):
+    """Batch 2, GQA 4:2, outputs written in original positions, against the oracle on the permuted grid's
+    token mask; and the gathered path (explicit permuted copies, the oracle in permuted coordinates,
+    un-permuted after) gives the same numbers."""
+    q, k, v = (t[..., :q_len, :] if i == 0 else t for i, t in enumerate(qkv(kv_len)))
+    q = q.contiguous()
+    index, row_map, col_map = grid.build_permuted_index(params, q_len, kv_len, batch=2, heads=2, block_m=16, block_n=16,
+                                                        head_space="kv", device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    BACKENDS[backend](q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=out, lse=lse)
+    mask = grid.permuted_mask(params, q_len, kv_len, block_m=16, block_n=16).to(DEVICE)
+    ref, ref_lse = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
+    assert relative_error(out, ref) < 1e-5 and float((lse - ref_lse).abs().max()) < 1e-4
+    rm, cm = row_map.long(), col_map.long()
+    perm_mask = mask[rm][:, cm]
+    gathered, _ = masked_attention(q[:, :, rm], k[:, :, cm], v[:, :, cm], lambda r: perm_mask[r][None, None], scale=SCALE)
+    unpermuted = torch.empty_like(gathered)
+    unpermuted[:, :, rm] = gathered
+    assert relative_error(out, unpermuted) < 1e-5
+
+
+def test_permuted_grid_bf16_in_the_interpreter():
+    params = GRIDS[0][2]
+    q, k, v = qkv(150, dtype=torch.bfloat16)
+    index, row_map, col_map = grid.build_permuted_index(params, 150, 150, batch=2, heads=2, block_m=16, block_n=16,
+                                                        head_space="kv", device=DEVICE)
+    out, _ = block_sparse_attention(q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=torch.empty_like(q))
+    mask = grid.permuted_mask(params, 150, 150, block_m=16, block_n=16).to(DEVICE)
+    ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
+    low, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE, upcast=False)
+    assert relative_error(out, ref) <= tolerance(low, ref, torch.bfloat16)
+
+
+def planted_grid(n: int, stride: int, phase: int, dim: int = 64, seed: int = 0):
+    """q/k/v [1, 2, n, dim] / [1, 1, n, dim] whose keys on the line (j % stride == phase) share a direction
+    every query points at: a vertical grid line the last queries see."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 2, n, dim, generator=gen) * 0.1
+    k = torch.randn(1, 1, n, dim, generator=gen) * 0.1
+    v = torch.randn(1, 1, n, dim, generator=gen)
+    q[..., 0] = 8.0  # logit 8 at scale 1/8 on every line key: the lines hold nearly all the mass
+    k[:, :, phase::stride, 0] = 8.0
+    return q, k, v
+
+
+def test_planted_grid_search_recovers_stride_phase_and_the_permuted_run_matches_the_gathered_one():
+    n, stride, phase = 240, 12, 5
+    q, k, v = planted_grid(n, stride, phase)
+    found, ph, _ = grid.estimate_stride_phase(q, k, [6, 8, 12, 16, 24], last_q=32, head_space="kv")
+    assert int(found.item()) == stride and int(ph.item()) == phase
+    params = grid.GridParams(stride=stride, phase=phase, use_hline=False, local=16)
+    index, row_map, col_map = grid.build_permuted_index(params, n, n, heads=1, block_m=16, block_n=16, head_space="kv")
+    out, lse = block_sparse_attention_torch(q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=torch.empty_like(q),
+                                            lse=torch.empty(q.shape[:3]))
+    # The gathered path: explicit permuted copies (rows and keys in line order) through the oracle with the
+    # mask in permuted coordinates (the plain kernel cannot take causality across a reordering).
+    rm, cm = row_map.long(), col_map.long()
+    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16)[rm][:, cm]
+    gathered, _ = masked_attention(q[:, :, rm], k[:, :, cm], v[:, :, cm], lambda r: mask[r][None, None], scale=SCALE)
+    assert relative_error(out[:, :, rm], gathered) < 1e-5
+    # The planted lines are what the heads attend: the permuted grid is near-exact against dense.
+    ref, _ = masked_attention(q, k, v, scale=SCALE)
+    assert relative_error(out, ref) < 2e-2
+
+
+def test_runner_runs_grid_heads_permuted_when_asked():
+    n = 256
+    q, k, v = (t[:1] for t in qkv(n))
+    params = grid.GridParams(stride=16, phase=2, use_hline=False, local=16)  # a line key in every plain key block
+    layer = LayerPlan(0, "sparse", (HeadGroup("grid", params, (0, 1), 16, 16),))
+    runner = Runner(Plan("kv", (layer,), min_tokens=1))
+    plain = runner.attend(layer, q, k, v, scale=SCALE)
+    runner.permute_grid = True
+    permuted = runner.attend(layer, q, k, v, scale=SCALE)
+    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16)
+    ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
+    assert relative_error(permuted, ref) < 1e-5
+    assert relative_error(plain, ref) > 1e-4  # the plain cover computes other extra tokens
+
+
+def test_runner_keeps_the_plain_cover_where_the_permutation_lists_more_blocks():
+    """Slash lines stay spread after the permutation: with them on (and a short stride) the permuted
+    index lists more blocks than the plain cover, so the runner keeps the plain one."""
+    n = 160
+    q, k, v = (t[:1] for t in qkv(n))
+    params = grid.GridParams(stride=5, phase=0, use_slash=True, local=9)
+    g = HeadGroup("grid", params, (0, 1), 16, 16)
+    layer = LayerPlan(0, "sparse", (g,))
+    runner = Runner(Plan("kv", (layer,), min_tokens=1))
+    plain = runner.attend(layer, q, k, v, scale=SCALE)
+    runner.permute_grid = True
+    index, row_map, col_map = runner._static.permuted(g, q, k, "kv")
+    assert row_map is None and col_map is None
+    assert torch.equal(runner.attend(layer, q, k, v, scale=SCALE), plain)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _maps_case():
+    q, k, v = qkv(40, batch=1)
+    index = dense.build_index(None, 24, 30, heads=2, block_m=16, block_n=16, head_space="kv", row_pos=torch.arange(24))
+    return q, k, v, index
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("row_map, col_map, message", [
+    (torch.arange(24, dtype=torch.int64), torch.arange(30, dtype=torch.int32), "row_map must be a non-empty 1-D int32"),
+    (torch.arange(24, dtype=torch.int32) + 20, torch.arange(30, dtype=torch.int32), r"row_map values must lie in \[0, 39\], got \[20, 43\]"),
+    (torch.arange(24, dtype=torch.int32), torch.zeros(30, dtype=torch.int32), "col_map must not repeat a position"),
+    (torch.arange(24, dtype=torch.int32), torch.arange(30, dtype=torch.int32) - 1, r"col_map values must lie in \[0, 39\], got \[-1, 28\]"),
+])
+def test_bad_maps_are_refused_before_any_launch(backend, row_map, col_map, message):
+    q, k, v, index = _maps_case()
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match=message):
+        BACKENDS[backend](q, k, v, index, row_map=row_map.to(DEVICE), col_map=col_map.to(DEVICE), row_pos=torch.arange(24, device=DEVICE),
+                          out=out)
+    assert bool(out.isnan().all())
+
+
+def test_maps_refuse_varlen_and_a_frame_of_the_wrong_length():
+    q, k, v, index = _maps_case()
+    rm, cm = torch.arange(24, dtype=torch.int32), torch.arange(30, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row_pos must be an int tensor \[24\]"):
+        block_sparse_attention_torch(q, k, v, index, row_map=rm, col_map=cm, row_pos=torch.arange(30))
+    with pytest.raises(ValueError, match="dense"):
+        block_sparse_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), index,
+                               cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32),
+                               row_map=rm)
+
+
+def test_grid_strides_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="stride must be >= 1, got 0"):
+        grid.GridParams(stride=0)
+    with pytest.raises(ValueError, match="stride must be >= 1, got -3"):
+        grid.GridParams(stride=-3)
+    with pytest.raises(ValueError, match="grid stride 300 is longer than the sequence"):
+        grid.build_permuted_index(grid.GridParams(stride=300), 200, 200)
+
+
+def test_bad_modality_ids_and_names_are_refused_before_any_launch():
+    ids = layout_ids()
+    q, k, v = (t[:1] for t in qkv(ids.numel()))
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match=f"modality ids hold {ids.numel() - 1} tokens, the sequence {ids.numel()}"):
+        attend_boundary(((0, "2d"),), _groups("dense", dense.DenseParams()), q, k, v, ids[:-1], "kv", SCALE, out)
+    bad = ids.clone()
+    bad[3] = 7
+    with pytest.raises(ValueError, match="modality id 7 names no modality"):
+        attend_boundary(((0, "2d"),), _groups("dense", dense.DenseParams()), q, k, v, bad, "kv", SCALE, out)
+    assert bool(out.isnan().all())
+    pos = boundary.positions(ids, NAMES)
+    with pytest.raises(ValueError, match="modality 'audio' is unknown or absent"):
+        boundary.make_region("audio", "text", pos)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_identity_maps_are_the_plain_path(backend):
+    """Identity maps (default scale 1/sqrt(D)) reproduce the launch without maps: the Triton kernel bit for
+    bit (same tiles, same order), the torch twin within rounding (it takes its block-gather branch)."""
+    q, k, v = qkv(48, batch=1)
+    idx = ashape.build_index(ashape.AShapeParams(sink=4, local=20), 48, 48, heads=2, block_m=16, block_n=16, head_space="kv")
+    rm = torch.arange(48, dtype=torch.int32, device=DEVICE)
+    a, la = BACKENDS[backend](q, k, v, idx, row_map=rm, col_map=rm)
+    b, lb = BACKENDS[backend](q, k, v, idx, scale=1 / math.sqrt(64))
+    if backend == "triton":
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    else:
+        assert relative_error(a, b) < 1e-6
