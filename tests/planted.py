@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-DIM = 64
-BETA = 96.0  # flag logit before the 1/sqrt(D) scale: 12 after it, e^12 ~ 1.6e5 plain keys
+DIM = 128
+BETA = 12.0 * math.sqrt(DIM)  # flag logit 12 after the 1/sqrt(D) scale: e^12 ~ 1.6e5 plain keys
 
 
 @dataclass
@@ -44,9 +44,15 @@ def _freqs(lo: float, hi: float, count: int) -> torch.Tensor:
     return torch.logspace(math.log10(lo), math.log10(hi), count)
 
 
-def positional(n: int, amp: float, lo: float, hi: float, count: int, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, k) [N, 2 * count]: q_i . k_j = amp^2 * sum_w cos(w * (i - j - shift)), peaked at i - j = shift."""
-    w = _freqs(lo, hi, count)[None, :]
+def positional(n: int, amp: float, lo: float, hi: float, count: int, shift: int = 0, spread: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) [N, 2 * count]: q_i . k_j = amp^2 * sum_w cos(w * (i - j - shift)), peaked at i - j = shift.
+    Frequencies log-spaced in [lo, hi], or (spread) spaced evenly and jittered (a fixed generator) so that
+    the sum has no second peak: a sharp slash line."""
+    if spread:
+        gen = torch.Generator().manual_seed(count)
+        w = ((torch.arange(count) + torch.rand(count, generator=gen)) / count * (hi - lo) + lo)[None, :]
+    else:
+        w = _freqs(lo, hi, count)[None, :]
     pos = torch.arange(n, dtype=torch.float32)[:, None]
     q = torch.cat([torch.cos(pos * w), torch.sin(pos * w)], 1) * amp
     k = torch.cat([torch.cos((pos + shift) * w), torch.sin((pos + shift) * w)], 1) * amp
@@ -55,7 +61,7 @@ def positional(n: int, amp: float, lo: float, hi: float, count: int, shift: int 
 
 def _local(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A smooth local band about ``width`` tokens wide: 16 dims."""
-    return positional(n, amp=2.2, lo=0.3 / width, hi=1.5 / width, count=8)
+    return positional(n, amp=2.6, lo=0.3 / width, hi=1.5 / width, count=8)
 
 
 def ashape(n: int, sink: int, width: int) -> Head:
@@ -69,11 +75,11 @@ def ashape(n: int, sink: int, width: int) -> Head:
 def vertical_slash(n: int, verticals: list[int], slashes: list[int]) -> Head:
     """Vertical lines at ``verticals`` and sharp slash lines at offsets ``slashes`` (far ones included)."""
     q, k = torch.zeros(n, DIM), torch.zeros(n, DIM)
-    q[:, 0] = BETA * 0.9
+    q[:, 0] = BETA * 0.75
     k[verticals, 0] = 1.0
-    for s, offset in enumerate(slashes[:2]):
-        qs, ks = positional(n, amp=2.8, lo=0.05, hi=3.0, count=10, shift=offset)
-        q[:, 8 + 20 * s: 28 + 20 * s], k[:, 8 + 20 * s: 28 + 20 * s] = qs, ks
+    for s, offset in enumerate(slashes[:2]):  # 48 dims each: a sharp line (no alias above ~1/2 the peak)
+        qs, ks = positional(n, amp=2.0, lo=0.1, hi=3.1, count=24, shift=offset, spread=True)
+        q[:, 8 + 48 * s: 56 + 48 * s], k[:, 8 + 48 * s: 56 + 48 * s] = qs, ks
     return Head("vertical_slash", q, k, {"verticals": verticals, "slashes": slashes})
 
 
