@@ -100,6 +100,23 @@ def block_topk(n: int, block: int, targets: list[int]) -> Head:
     return Head("block_topk", q, k, {"targets": targets, "block": block})
 
 
+def block_topk_group(n: int, block: int, group: int, gen: torch.Generator) -> list[Head]:
+    """A GQA group of block top-k heads that want different blocks and avoid each other's: head h's rows
+    in block m score +beta/2 on its own target and -beta/2 on every other head's target (which it never
+    attends). Summing raw pooled scores over the group cancels the targets; each head's own attention
+    is as sharp as a lone head's."""
+    targets = [block_targets(n, block, gen) for _ in range(group)]
+    heads = [block_topk(n, block, t) for t in targets]
+    ids = torch.arange(n) // block
+    for h, head in enumerate(heads):
+        for other in range(group):
+            if other != h:
+                theirs = torch.tensor(targets[other])[ids]
+                away = (theirs != torch.tensor(targets[h])[ids]).float()[:, None]
+                head.q -= away * BETA * 0.5 * torch.nn.functional.one_hot(theirs, DIM).float()
+    return heads
+
+
 def grid(n: int, stride: int, phase: int, *, hline: bool = True) -> Head:
     """Vertical lines at keys j % stride == phase, rows on the grid (i % stride == phase) uniform when
     ``hline`` (horizontal lines), and a narrow local band."""
