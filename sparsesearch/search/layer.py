@@ -249,8 +249,9 @@ def choose_head(scored: list[Scored], budget: torch.Tensor, h: int, objective: s
 
     Among the admissible sparse candidates (cost <= budget) those whose objective is within TIE_ABS +
     TIE_REL x |best| of the best tie; of those the cheapest wins, then the earlier kind of KIND_ORDER,
-    then search-space order. With none admissible the cheapest candidate is taken. A pick whose output
-    error exceeds max_error gives way to the dense entry (when the list has one, see ``score_layer``)."""
+    then search-space order. With none admissible the cheapest candidate is taken (unrun when it was
+    pruned: error inf). An admissible pick whose output error exceeds max_error gives way to the dense
+    entry (when the list has one, see ``score_layer``)."""
     sparse = [s for s in scored if s.candidate.pattern != DENSE.pattern]
     dense = next((s for s in scored if s.candidate.pattern == DENSE.pattern), None)
     cost = lambda s: float(s.cost_ms[h])  # noqa: E731
@@ -264,8 +265,8 @@ def choose_head(scored: list[Scored], budget: torch.Tensor, h: int, objective: s
         pick = min(sparse, key=lambda s: (cost(s), _kind_rank(s)))
         reason = "no candidate within budget: the cheapest"
     error = float(pick.error[h])
-    if dense is not None and not error <= max_error:
-        return dense, f"dense: the best {'admissible' if admissible else 'cheapest'} sparse candidate ({pick.candidate.pattern}) has output error {error:.3g} > max_error {max_error:g}"
+    if admissible and dense is not None and not error <= max_error:
+        return dense, f"dense: the best admissible sparse candidate ({pick.candidate.pattern}) has output error {error:.3g} > max_error {max_error:g}"
     return pick, reason
 
 
@@ -274,6 +275,14 @@ def choose(scored: list[Scored], budget: torch.Tensor, objective: str, max_error
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     return [(choose_head(scored, budget, h, objective, max_error)[0], h) for h in range(budget.numel())]
+
+
+def target_cost(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """The space's target pattern's cost per head on these inputs (float64 [H], ms), without running it."""
+    n = k.shape[2]
+    s = score_candidate(space.target, space.resolve(space.target, n), q, k, None, None, None, head_space,
+                        space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
+    return s.cost_ms
 
 
 def dense_scored(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> Scored:
@@ -289,12 +298,17 @@ def score_layer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, space: SearchSpace, costs: CostModel, *,
     head_space: str = "query", modality: str = "text", frame_stride: int | None = None, scale: float | None = None,
     row_pos: torch.Tensor | None = None, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    budget: torch.Tensor | None = None, dense_fallback: bool = True,
 ) -> tuple[list[Scored], torch.Tensor, Timings]:
     """Score every applicable candidate of the space on one layer, or on one permuted modality region of
     it (q rows [1, Hq, Nq, D] and keys k/v [1, Hkv, Nk, D] gathered, row_pos their frame: grid candidates
     do not apply there, token counts scale with Nk, the budget is the target's cost on the same region).
     reference: the dense (out, lse) of these inputs when the caller has it already (``space_reference``).
-    The list ends with the dense fallback entry (``dense_scored``; ``choose`` takes it only past max_error).
+    budget: float64 [H] ms to prune against instead of the target's cost here x (1 + slack) (a region's
+    share of the whole sequence's budget, search/boundary.py).
+    With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
+    max_error). The boundary search leaves it out of the regions other than the global one: a region's
+    error is relative to its own rows' output, not the head's (search/boundary.py).
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -303,9 +317,8 @@ def score_layer(
     ref_out, ref_lse = reference or space_reference(q, k, v, space, head_space, scale, row_pos)
     _sync(q)
     timings.kernel_s += time.perf_counter() - start
-    target = score_candidate(space.target, space.resolve(space.target, n), q, k, v, None, None, head_space,
-                             space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
-    budget = target.cost_ms * (1.0 + space.budget_slack)
+    if budget is None:
+        budget = target_cost(q, k, space, head_space, scale, costs, row_pos) * (1.0 + space.budget_slack)
     scored = []
     for cand in space.candidates:
         if not space.applies_to(cand, modality) or (row_pos is not None and not REGISTRY[cand.pattern].REGION):
@@ -317,7 +330,8 @@ def score_layer(
                                       scale, costs, timings, budget, row_pos))
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
-    scored.append(dense_scored(q, k, space, head_space, scale, costs, row_pos))
+    if dense_fallback:
+        scored.append(dense_scored(q, k, space, head_space, scale, costs, row_pos))
     return scored, budget, timings
 
 
