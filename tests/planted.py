@@ -59,9 +59,10 @@ def positional(n: int, amp: float, lo: float, hi: float, count: int, shift: int 
     return q, k
 
 
-def _local(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A smooth local band about ``width`` tokens wide: 16 dims."""
-    return positional(n, amp=2.6, lo=0.3 / width, hi=1.5 / width, count=8)
+def _local(n: int, width: int, amp: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A local band about ``width`` tokens wide: 16 dims, frequencies spread evenly in [0.5, 1.5] / width
+    (jittered) so the far aliases stay low."""
+    return positional(n, amp=amp, lo=0.5 / width, hi=1.5 / width, count=8, spread=True)
 
 
 def ashape(n: int, sink: int, width: int) -> Head:
@@ -121,8 +122,8 @@ def grid(n: int, stride: int, phase: int, *, hline: bool = True) -> Head:
     """Vertical lines at keys j % stride == phase, rows on the grid (i % stride == phase) uniform when
     ``hline`` (horizontal lines), and a narrow local band."""
     q, k = torch.zeros(n, DIM), torch.zeros(n, DIM)
-    q[:, 0], k[phase::stride, 0] = BETA * 0.6, 1.0
-    q[:, 8:24], k[:, 8:24] = _local(n, 8)
+    q[:, 0], k[phase::stride, 0] = BETA, 1.0
+    q[:, 8:24], k[:, 8:24] = _local(n, 8, amp=3.0)  # peak ~6 nats: the lines (~10) hold most of the mass
     if hline:
         q[phase::stride] = 0.0
     return Head("grid", q, k, {"stride": stride, "phase": phase, "hline": hline})
@@ -136,8 +137,10 @@ def triangle(n: int, sink: int, width: int, last: int) -> Head:
 
 
 def dense_like(n: int, gen: torch.Generator) -> Head:
-    """Attention spread wide: small random q, k (logits ~ +-0.1) -> near-uniform rows."""
-    return Head("dense", torch.randn(n, DIM, generator=gen) * 0.3, torch.randn(n, DIM, generator=gen) * 0.3)
+    """Attention spread wide and scattered: random q, k with logits ~ N(0, 4), so every row puts its
+    mass on its own few hundred keys anywhere in its prefix; no sink + window, handful of lines or
+    block choice per query block holds them."""
+    return Head("dense", torch.randn(n, DIM, generator=gen) * 2.0, torch.randn(n, DIM, generator=gen) * 2.0)
 
 
 def layer(kv_heads: list[list[Head]], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
