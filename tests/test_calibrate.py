@@ -98,8 +98,9 @@ def test_planted_grid_stride_and_phase_are_recovered(tmp_path, stride_spec):
     row = head_rows(scored, budget, "output_error")[0]
     assert row["pattern"] == "grid" and row["admissible"], row
     assert (row["params"].stride, row["params"].phase) == (stride, phase)
-    others = [float(s.error[0]) for s in scored if s.candidate.pattern != "grid"]
-    assert row["output_error"] < 0.05 < min(others)
+    # Vertical-slash holds the vertical lines too (its free vertical budget finds them) but not the rows.
+    others = [float(s.error[0]) for s in scored if s.candidate.pattern not in ("grid", "dense")]
+    assert row["output_error"] < min(0.05, *others)
     text_only = score_layer(q, k, v, space, AnalyticCost(), head_space="query", modality="text", frame_stride=stride)[0]
     assert "grid" not in {s.candidate.pattern for s in text_only}, "grid candidates apply to visual modalities only"
 
@@ -116,7 +117,7 @@ def test_over_budget_candidates_are_pruned_unrun(space_file):
     q, k, v = planted()
     space = load_space(str(space_file))
     scored, budget, _ = score_layer(q, k, v, space, AnalyticCost(), head_space="query")
-    for s in scored:
+    for s in scored[:-1]:  # the last entry is the dense fallback: the reference, never run
         over = s.cost_ms > budget
         assert bool(torch.isinf(s.error[over]).all()), "pruned heads are never run"
 

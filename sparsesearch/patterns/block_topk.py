@@ -4,7 +4,12 @@ keys score highest against its pooled queries.
 Selection per (batch, head, query block m), all at block level:
 
 * pooled q = mean of the block's valid query rows, pooled k = mean of the block's valid keys;
-* score[m, kb] = pooled_q[m] . pooled_k[kb] (summed over the GQA group for head_space "kv");
+* score[m, kb] = pooled_q[m] . pooled_k[kb]; for head_space "kv" each query head's scores go through a
+  softmax over its candidate blocks (scale 1/sqrt(D)) and the GQA group's probabilities are summed, so
+  the KV head's index serves every query head: a head's favourite block gets ~1 whatever its logit scale,
+  where a sum of raw scores let one head's large or negative scores bury another's choice (planted
+  groups of heads wanting different blocks: error 0.75 mean per query head with raw sums, see
+  tests/test_planted_search.py);
 * forced blocks: the first ``sink_blocks`` key blocks and every "diagonal" key block, i.e. every block that
   holds some row's own position (kb in [first // block_n, last // block_n]; one or two blocks when
   block_m == block_n), so no row is left without keys;
@@ -99,12 +104,20 @@ def select(
     pooled_k = _pool(k, block_n)  # [B, Hkv, KB, D]
     q_blocks, kv_blocks = pooled_q.shape[2], pooled_k.shape[2]
     scores = pooled_q.view(batch, kv_heads, group, q_blocks, -1) @ pooled_k[:, :, None].transpose(-1, -2)
-    scores = scores.sum(2) if head_space == "kv" else scores.reshape(batch, q_heads, q_blocks, kv_blocks)
     first, last = query_block_bounds(q_len, kv_len, block_m, q.device, row_pos)
     kb = torch.arange(kv_blocks, device=q.device)[None, :]
     causal = kb * block_n <= last[:, None]
     forced = ((kb < params.sink_blocks) | (kb >= (first.clamp(min=0) // block_n)[:, None])) & causal
-    candidates = scores.masked_fill(~(causal & ~forced), float("-inf"))
+    open_blocks = causal & ~forced  # [QB, KB]: what the top-k chooses from
+    if head_space == "kv":
+        # Per query head probabilities over its open blocks, summed over the group (a query block with no
+        # open block has an all -inf row: nan -> 0, it chooses nothing anyway).
+        scale = 1.0 / q.shape[-1] ** 0.5
+        probs = torch.softmax((scores * scale).masked_fill(~open_blocks, float("-inf")), dim=-1).nan_to_num(0.0)
+        scores = probs.sum(2)
+    else:
+        scores = scores.reshape(batch, q_heads, q_blocks, kv_blocks)
+    candidates = scores.masked_fill(~open_blocks, float("-inf"))
     chosen = torch.zeros_like(causal).expand_as(scores).clone()
     take = min(params.k_blocks, kv_blocks)
     if take:

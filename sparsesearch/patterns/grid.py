@@ -265,52 +265,62 @@ def estimate_stride_phase(
     last_q: int = 64,
     head_space: str = "query",
     scale: float | None = None,
-    min_gain: float = 0.05,
+    keep: float = 0.75,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online stride and phase search of Alg. 1 from the last queries' attention.
 
     q [B, Hq, Nq, D], k [B, Hkv, Nk, D]. Â = softmax(Q[-last_q:] K^T * scale) with the causal corner masked
     (summed over the GQA group for head_space "kv"); its column mass is viewed as [Nk / s, s] for every
-    candidate stride s. The score of (s, phase) is the mean column mass on that phase over the mean column
-    mass (1.0 for flat attention), so strides of different sizes compare fairly. A multiple of the true
-    stride keeps a subset of the same lines and scores the same up to noise (sometimes a little higher),
-    a divisor dilutes its lines with empty columns and scores lower; so each head takes the *smallest*
-    stride whose score is within a factor (1 + min_gain) of the best score over all strides.
+    candidate stride s (Alg. 1's view). Two numbers per (s, phase), over the columns j with j % s == phase:
+
+    * excess = their share of the mass - their share of the columns (0 for flat attention): how much of
+      the lines' mass the class holds. At the true stride the phase class holds every line; at a multiple
+      m·s it holds about 1/m of them (excess drops to ~1/m), at a divisor s/m all of them again;
+    * lift = mean mass of their columns / mean column mass: at a divisor s/m the lines are diluted by
+      (m - 1)/m empty columns (lift drops to ~1/m), at the true stride it is largest.
+
+    Each stride takes its phase of largest excess. The strides whose excess is within a factor ``keep`` of
+    the best stride's keep the lines (the true stride and its divisors, never a multiple, whose excess is
+    about half or less); among them the largest lift wins (the true stride: its divisors dilute), ties to
+    the smaller stride. So on a planted grid the result is the true stride (when it is a candidate) and
+    its exact phase. Alg. 1 itself keeps the largest maximum of the view, which prefers multiples whenever
+    the lines are uneven (a multiple keeps the heavier half); a local band near the last rows is such an
+    unevenness, which is why that rule returned 512 or 1024 with the phase right only modulo the stride.
 
     Only vertical lines are visible from the last rows; horizontal lines cannot be estimated this way.
-    Returns stride, phase (int64 [B, H]) and score (float32 [B, H]).
+    Returns stride, phase (int64 [B, H]) and the chosen (stride, phase)'s lift (float32 [B, H]).
     """
     if not strides:
         raise ValueError("strides must list at least one candidate stride, got none")
     for s in strides:
         check_int("stride", s, 1)
     check_int("last_q", last_q, 1)
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
     columns, _ = last_q_sums(q, k, last_q, head_space=head_space, scale=scale, diagonals=False)
     kv_len = columns.shape[-1]
-    mean_mass = columns.sum(-1, keepdim=True) / kv_len
-    scores, phases = [], []
-    for stride in strides:  # a handful of candidates: the loop is over the search space, not heads or blocks
+    total = columns.sum(-1, keepdim=True).clamp_min(1e-30)
+    order = sorted(set(strides))
+    excesses, lifts, phases = [], [], []
+    for stride in order:  # a handful of candidates: the loop is over the search space, not heads or blocks
         folds = num_blocks(kv_len, stride)
         padded = torch.nn.functional.pad(columns, (0, folds * stride - kv_len))
-        mass = padded.view(*columns.shape[:2], folds, stride).sum(-2)
-        per_phase = torch.arange(stride, device=q.device)
-        count = (kv_len - per_phase + stride - 1) // stride  # columns on each phase
-        lift = mass / count.clamp(min=1) / mean_mass.clamp_min(1e-30)
-        lift = lift.masked_fill(count == 0, float("-inf"))
-        score, phase = lift.max(dim=-1)
-        scores.append(score)
+        share = padded.view(*columns.shape[:2], folds, stride).sum(-2) / total  # [B, H, s]
+        count = (kv_len - torch.arange(stride, device=q.device) + stride - 1) // stride  # columns per phase
+        excess = (share - count / kv_len).masked_fill(count == 0, float("-inf"))
+        best_excess, phase = excess.max(dim=-1)
+        lift = share.gather(-1, phase[..., None]).squeeze(-1) * kv_len / count[phase].clamp(min=1)
+        excesses.append(best_excess)
+        lifts.append(lift)
         phases.append(phase)
-    order = sorted(range(len(strides)), key=lambda i: strides[i])
-    score = torch.stack([scores[i] for i in order])  # [S, B, H], ascending stride
-    phase = torch.stack([phases[i] for i in order])
-    best = score.max(dim=0).values
-    eligible = score * (1.0 + min_gain) >= best
-    first = eligible.int().argmax(dim=0)  # the smallest eligible stride
-    stride_values = torch.tensor([strides[i] for i in order], dtype=torch.int64, device=q.device)
+    excess, lift, phase = torch.stack(excesses), torch.stack(lifts), torch.stack(phases)  # [S, B, H], ascending stride
+    eligible = excess >= keep * excess.max(dim=0).values
+    first = lift.masked_fill(~eligible, float("-inf")).argmax(dim=0)  # argmax keeps the first (smallest) of ties
+    stride_values = torch.tensor(order, dtype=torch.int64, device=q.device)
     best_stride = stride_values[first]
     best_phase = phase.gather(0, first[None]).squeeze(0)
-    best_score = score.gather(0, first[None]).squeeze(0)
-    return best_stride, best_phase, best_score
+    best_lift = lift.gather(0, first[None]).squeeze(0)
+    return best_stride, best_phase.long(), best_lift.float()
 
 
 def main() -> None:

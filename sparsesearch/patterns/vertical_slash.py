@@ -3,11 +3,19 @@
 Estimate (per batch and head, from the last ``last_q`` queries, O(last_q x Nk)):
 
 1. Â = softmax(Q[-last_q:] K^T * scale), causally masked in the last_q x last_q corner;
-2. vertical score of key j = sum of Â over the rows; the first ``force_vertical`` columns get +inf
-   (MInference: ``vertical[..., :30] = inf``); the ``max(vertical_size, force_vertical)`` best columns win;
-3. slash score of offset d = sum of Â along the diagonal pos - j = d; the ``force_slash`` nearest offsets
-   get +inf (MInference: the last 100 diagonals); the ``max(slash_size, force_slash)`` best offsets win.
-   Ties go to the lower column / offset (stable sort). Budgets are cut at kv_len.
+2. vertical score of key j = sum of Â over the rows; the first ``forced(force_vertical, vertical_size)``
+   columns get +inf (MInference: ``vertical[..., :30] = inf``); the ``vertical_size`` best columns win;
+3. slash score of offset d = sum of Â along the diagonal pos - j = d; the ``forced(force_slash,
+   slash_size)`` nearest offsets get +inf (MInference: the last 100 diagonals); the ``slash_size`` best
+   offsets win. Ties go to the lower column / offset (stable sort). Budgets are cut at kv_len.
+
+Forced lines never take more than half of their budget: ``forced(force, size) = min(force, max(1, size //
+2))`` (0 when force is 0). MInference forces the nearest 100 diagonals and the first 30 columns with
+budgets of 1000-6096 lines at 32K-128K tokens (``minference_forward.py``: at most 10% of the budget); a
+search space scales the budgets down with the length (``scaled_params``) but not the forced counts, so at
+a few thousand tokens a slash budget of 32 was all forced and only offsets 0..99 were ever kept. Capping
+the forced share at half the budget keeps MInference's behaviour at its own sizes and scales the forced
+count with the budget, hence with the length; the other half is always chosen by the data.
 
 For head_space "kv" the estimates of a GQA group are summed (each query head's softmax first) and one
 selection is made per KV head.
@@ -82,6 +90,11 @@ class VSLines:
     row_pos: torch.Tensor | None = None  # a permuted region's frame (None: bottom-right causal)
 
 
+def forced(force: int, size: int) -> int:
+    """Lines forced into a budget of ``size``: ``force``, at most half the budget (>= 1 unless force is 0)."""
+    return min(force, max(1, size // 2))
+
+
 def estimate(
     params: VerticalSlashParams,
     q: torch.Tensor,
@@ -95,10 +108,10 @@ def estimate(
     row_pos: a permuted region's frame; slash offsets are then counted back from each row's frontier."""
     columns, diagonals = last_q_sums(q, k, params.last_q, head_space=head_space, scale=scale, row_pos=row_pos)
     q_len, kv_len = q.shape[2], k.shape[2]
-    columns[..., : params.force_vertical] = float("inf")
-    diagonals[..., : params.force_slash] = float("inf")
-    vertical = top_ids(columns, min(max(params.vertical_size, params.force_vertical), kv_len))
-    slash = top_ids(diagonals, min(max(params.slash_size, params.force_slash), kv_len))
+    columns[..., : forced(params.force_vertical, params.vertical_size)] = float("inf")
+    diagonals[..., : forced(params.force_slash, params.slash_size)] = float("inf")
+    vertical = top_ids(columns, min(params.vertical_size, kv_len))
+    slash = top_ids(diagonals, min(params.slash_size, kv_len))
     return VSLines(vertical, slash, q_len, kv_len, head_space, row_pos)
 
 
@@ -210,8 +223,8 @@ def density(
     first, last = query_block_bounds(q_len, kv_len, block_m)
     rows = last - first + 1
     causal = (first + 1 + last + 1) * rows // 2
-    slashes = min(max(params.slash_size, params.force_slash), kv_len)
-    verticals = min(max(params.vertical_size, params.force_vertical), kv_len)
+    slashes = min(params.slash_size, kv_len)
+    verticals = min(params.vertical_size, kv_len)
     per_offset = (block_m - 1) // block_n + 2
     bound = torch.clamp(slashes * per_offset * rows * block_n + verticals * rows, max=causal)
     return min(1.0, int(bound.sum()) / causal_entries(q_len, kv_len))

@@ -7,10 +7,23 @@
    chosen in its regions (partials merged by lse), scored against the dense attention of the whole
    sequence, and the head takes the best type within the budget.
 
-Every region is searched by the same kernel-aware search as a text layer (search/layer.py: the budget is
-the target's cost on the same region, the objective uses V). A region's rows and keys are gathered into
-contiguous copies and run by the same kernels with the region frame (row_pos): measured on a GPU,
-modelled on a CPU. A type's cost is the sum of its picks' costs, its budget the global region's.
+Every region is searched by the same kernel-aware search as a text layer (search/layer.py, the objective
+uses V). A region's rows and keys are gathered into contiguous copies and run by the same kernels with
+the region frame (row_pos): measured on a GPU, modelled on a CPU. A type's cost is the sum of its picks'
+costs, its budget the global region's (the target's cost on the whole sequence, plus slack).
+
+Region budgets: the regions of one type partition the causal matrix and each region belongs to one type
+only, so the global budget is split over a type's regions in proportion to the target's cost on each
+(``region_budgets``): they sum to the global budget, and a type whose picks fit their regions fits it.
+(The target's own cost on each region, the earlier rule, re-applies its sink and window once per key
+modality and rounds blocks per region: on the planted 2D layouts the four 2D regions' budgets summed to
+1.6x the global one, so picks that fit their regions came out over the type's budget and 2D lost.)
+No region carries the dense fallback of search/layer.py ``choose``: a region's output error is relative
+to its own rows' share of the attention, which can be small, and a head the global patterns fail may be
+served by a boundary type (a dense global pick, exact and first in the type order, would take every such
+head). The types are judged by the composed error against the whole sequence's dense attention; a
+"keep dense" outcome for multi-modal heads needs a dense type in the artifact's boundary rows (not here).
+
 
 Choice rule: the types are tried in order none, k, q, 2d (the runtime cost of the permutations grows in
 that order; paper 000 B.1: none and K cost nothing beyond intra-modality attention). A head takes the
@@ -30,7 +43,7 @@ from ..execute import HeadGroup, run_region
 from ..patterns import boundary as bd
 from ..patterns._common import causal_entries
 from .cost import CostModel
-from .layer import Scored, Timings, _sync, choose, output_error, score_layer, space_reference
+from .layer import Scored, Timings, _sync, choose, output_error, score_layer, space_reference, target_cost
 from .space import SearchSpace
 
 TOLERANCE = 0.05  # relative slack on the objective before a simpler boundary type loses to a complex one
@@ -55,17 +68,38 @@ def needed_scopes(space: SearchSpace, present: list[str]) -> list[tuple[str, str
     return scopes
 
 
+def region_budgets(q, k, v, pos: dict, present: list[str], space: SearchSpace, costs: CostModel, whole: torch.Tensor, *,
+                   head_space: str, scale: float) -> dict[str, torch.Tensor]:
+    """{region name: float64 [H] ms} for every region of the space's boundary types but the global one:
+    the global budget ``whole`` split over each type's regions in proportion to the target's cost there."""
+    budgets = {}
+    for kind in space.boundaries:
+        regions = [r for r in (bd.make_region(a, b, pos) for a, b in bd.region_scopes(kind, present)) if r is not None]
+        regions = [r for r in regions if r.name != bd.scope_name(bd.ALL, bd.ALL)]
+        if not regions:
+            continue
+        costs_r = []
+        for region in regions:
+            q_r, k_r, _ = region.gather(q, k, v)
+            costs_r.append(target_cost(q_r, k_r, space, head_space, scale, costs, region.row_pos))
+        total = torch.stack(costs_r).sum(0).clamp_min(1e-30)
+        budgets.update({r.name: whole * c / total for r, c in zip(regions, costs_r)})
+    return budgets
+
+
 def search_scope(
     q, k, v, region: bd.Region, space: SearchSpace, costs: CostModel, *, head_space: str, present: list[str],
-    frame_stride: int | None, scale: float, reference=None,
+    frame_stride: int | None, scale: float, reference=None, budget: torch.Tensor | None = None,
 ) -> ScopeResult:
     """Kernel-aware search of one region (q/k/v: the whole layer, [1, H, N, D]; reference: the region's
-    dense (out, lse) when already computed)."""
+    dense (out, lse) when already computed; budget: float64 [H], ``region_budget``, None for the global
+    region, whose budget is the target's cost)."""
     q_r, k_r, v_r = region.gather(q, k, v)
     # Grid applicability follows the region's keys: a visual modality's own rows and keys only.
     modality = region.k_mod if region.k_mod != bd.ALL else ("video" if "video" in present else present[-1])
     scored, budget, timings = score_layer(q_r, k_r, v_r, space, costs, head_space=head_space, modality=modality,
-                                          frame_stride=frame_stride, scale=scale, row_pos=region.row_pos, reference=reference)
+                                          frame_stride=frame_stride, scale=scale, row_pos=region.row_pos, reference=reference,
+                                          budget=budget, dense_fallback=False)
     return ScopeResult(scored, budget, timings)
 
 
@@ -166,13 +200,17 @@ def search_modal_layer(
     _sync(q)
     reference_s = time.perf_counter() - start
     whole = bd.scope_name(bd.ALL, bd.ALL)
-    for q_mod, k_mod in needed_scopes(space, present):
+    budgets = None
+    for q_mod, k_mod in needed_scopes(space, present):  # the global region first: the others share its budget
         region = bd.make_region(q_mod, k_mod, pos)
         if region is None or region.name in results:
             continue
+        if region.name != whole and budgets is None:
+            budgets = region_budgets(q, k, v, pos, present, space, costs, results[whole].budget, head_space=head_space, scale=scale)
+        budget = None if region.name == whole else budgets[region.name]
         results[region.name] = search_scope(q, k, v, region, space, costs, head_space=head_space, present=present,
                                             frame_stride=frame_stride, scale=scale,
-                                            reference=reference if region.name == whole else None)
+                                            reference=reference if region.name == whole else None, budget=budget)
         if region.name == whole:
             results[whole].timings.kernel_s += reference_s  # its search's share of the dense pass
         if on_scope is not None:

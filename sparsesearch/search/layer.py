@@ -7,7 +7,13 @@ For one layer's post-RoPE q [1, Hq, N, D], k/v [1, Hkv, N, D] of a calibration s
    relative L2 error of the attention output (this is where V enters) and the attention mass kept, exp(lse_sparse − lse_dense);
 3. each candidate's cost per head comes from the cost model (measured kernel time on a GPU, an analytic
    FLOP model on a CPU); candidates above the target's cost x (1 + slack) are pruned;
-4. each head takes the admissible candidate with the best objective.
+4. each head takes the admissible candidate with the best objective (``choose``: near-ties go to the
+   cheaper candidate, then to a fixed order of kinds); a head whose best admissible candidate still has an
+   output error above ``max_error`` keeps dense attention (the dense entry every scored list carries:
+   error 0, recall 1, costed like a candidate), and says so.
+
+A triangle candidate is scored as the runtime runs it (execute.attend_triangle): its streaming index,
+then every causal key for the last rows, so its recall, density and error count the dense tail.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execute import HeadGroup, build_group_index, sparse_attend
+from ..execute import HeadGroup, build_group_index, query_heads, sparse_attend
 from ..index import BlockIndex
 from ..patterns import grid, index_entries
+from ..patterns import triangle
 from ..patterns._common import causal_entries, region_causal_entries
 from ..patterns.dense import DenseParams
 from ..patterns.registry import REGISTRY
@@ -28,6 +35,17 @@ from .cost import CostModel, analytic_ms
 from .space import Candidate, SearchSpace
 
 OBJECTIVES = ("output_error", "mass_recall")
+# A head whose best admissible sparse candidate errs by more than this (relative L2 of the attention
+# output) keeps dense attention: at 0.5 half the output's norm is wrong; the issue's dense-like heads came
+# out at 0.7-0.9 with every candidate, planted sparse heads below 0.1.
+MAX_ERROR = 0.5
+# Objectives this close count as equal (0.1% of the output norm plus 5%, as the boundary choice's
+# tolerance): the cheaper candidate wins, then the earlier kind of KIND_ORDER.
+TIE_ABS, TIE_REL = 1e-3, 0.05
+# Fixed order of kinds for ties at equal cost: static before dynamic (no estimate at run time), and
+# among those the smaller index first. Unlisted patterns come after, in search-space order.
+KIND_ORDER = ("ashape", "triangle", "grid", "block_topk", "vertical_slash")
+DENSE = Candidate("dense", {})  # the fallback entry of every scored list
 
 
 @dataclass
@@ -59,9 +77,12 @@ def _sync(t: torch.Tensor) -> None:
         torch.cuda.synchronize(t.device)
 
 
-def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """Computed fraction of the causal matrix (of a region's, with row_pos), per index head: float64 [H]."""
-    total = causal_entries(n) if row_pos is None else region_causal_entries(row_pos)
+def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: torch.Tensor | None = None,
+                 tail: int = 0) -> torch.Tensor:
+    """Computed fraction of the causal matrix (of a region's, with row_pos), per index head: float64 [H].
+    tail: last rows computed densely besides the index (a triangle's), whose index entries do not count."""
+    total = causal_entries(n, kv_len) if row_pos is None else region_causal_entries(row_pos)
+    split = n - tail
     out = []
     for h in range(index.heads):
         one = BlockIndex(
@@ -70,7 +91,8 @@ def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: 
             None if index.col_count is None else index.col_count[:, h : h + 1],
             None if index.col_idx is None else index.col_idx[:, h : h + 1], index.window, index.sink,
         )
-        out.append(index_entries(one, n, kv_len, row_pos=row_pos) / max(1, total))
+        entries = index_entries(one, n, kv_len, row_pos=row_pos, row_stop=split if tail else None)
+        out.append((entries + causal_entries(n, kv_len, row_start=split)) / max(1, total))
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -134,12 +156,12 @@ def score_candidate(
         build_s = time.perf_counter() - start
         timings.index_s += build_s
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-        dens = head_density(index, n, kv_len, row_pos)
+        dens = head_density(index, n, kv_len, row_pos, tail=_dense_tail(g, n))
         density[list(g.heads)] = dens
+        run = lambda: _attend(g, index, q, k, v, scale, ids, out, lse, space, row_pos)  # noqa: B023 (called at once)
         if row_pos is not None and costs.kind == "analytic":  # the model counts a region's own entries
             cost[list(g.heads)] = analytic_ms(g.pattern, dens * region_causal_entries(row_pos), q.shape[-1], kv_len)
         else:
-            run = lambda: sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)  # noqa: B023 (called at once)
             cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, kv_len, q, index, run, build_s)
         for h in g.heads:
             params[h] = g.params
@@ -147,7 +169,7 @@ def score_candidate(
         if ref_out is None or not within:
             continue
         start = time.perf_counter()
-        sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)
+        run()
         _sync(q)
         timings.kernel_s += time.perf_counter() - start
         ran[list(g.heads)] = True
@@ -159,6 +181,32 @@ def score_candidate(
     error[~ran], recall[~ran] = float("inf"), 0.0  # heads of groups that were pruned
     timings.objective_s += time.perf_counter() - start
     return Scored(candidate, params, error, recall, density, cost)
+
+
+def _dense_tail(g: HeadGroup, n: int) -> int:
+    """Last rows a group computes densely besides its index: a triangle's ``last`` rows, else 0."""
+    return n - triangle.split_row(g.params, n) if g.pattern == "triangle" else 0
+
+
+def _attend(g: HeadGroup, index: BlockIndex, q, k, v, scale: float, ids: torch.Tensor, out, lse, space: str,
+            row_pos: torch.Tensor | None) -> None:
+    """One group's attention into out [1, Hq, N, D] / lse [1, Hq, N], as the runtime runs it: the index,
+    and for a triangle its last rows over every causal key (execute.attend_triangle's split), here through
+    the same kernels with a dense index over those rows so that their lse comes back too."""
+    sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)
+    tail = _dense_tail(g, q.shape[2])
+    if not tail:
+        return
+    n = q.shape[2]
+    rows = q[:, :, n - tail:].contiguous()
+    dense = HeadGroup("dense", DenseParams(), g.heads, g.block_m, g.block_n)
+    tail_out = torch.empty_like(rows)
+    tail_lse = torch.empty(rows.shape[:3], dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    sparse_attend(rows, k, v, build_group_index(dense, rows, k, space), scale, ids, tail_out, tail_lse)
+    q_ids = torch.tensor(query_heads(g.heads, space, group), device=q.device)
+    out[:, q_ids, n - tail:] = tail_out[:, q_ids]
+    lse[:, q_ids, n - tail:] = tail_lse[:, q_ids]
 
 
 def output_error(out, lse, ref_out, ref_lse, space: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,35 +236,80 @@ def _head_groups(candidate, resolved, q, k, space, heads, block_m, block_n) -> l
     return [HeadGroup("grid", p, tuple(hs), block_m, block_n) for p, hs in by_params.items()]
 
 
-def choose(scored: list[Scored], budget: torch.Tensor, objective: str) -> list[tuple[Scored, int]]:
-    """Per head: the admissible candidate (cost <= budget) with the best objective; if none is admissible,
-    the cheapest candidate. Ties keep the earlier candidate (search-space order). Returns (scored, head)."""
+def _rank(s: Scored, h: int, objective: str) -> float:
+    """The head's objective as a loss (lower is better)."""
+    return float(s.error[h]) if objective == "output_error" else -float(s.recall[h])
+
+
+def _kind_rank(s: Scored) -> int:
+    return KIND_ORDER.index(s.candidate.pattern) if s.candidate.pattern in KIND_ORDER else len(KIND_ORDER)
+
+
+def choose_head(scored: list[Scored], budget: torch.Tensor, h: int, objective: str, max_error: float = MAX_ERROR) -> tuple[Scored, str | None]:
+    """Head h's pick and, when it is not the best admissible sparse candidate, why.
+
+    Among the admissible sparse candidates (cost <= budget) those whose objective is within TIE_ABS +
+    TIE_REL x |best| of the best tie; of those the cheapest wins, then the earlier kind of KIND_ORDER,
+    then search-space order. With none admissible the cheapest candidate is taken (unrun when it was
+    pruned: error inf). An admissible pick whose output error exceeds max_error gives way to the dense
+    entry (when the list has one, see ``score_layer``)."""
+    sparse = [s for s in scored if s.candidate.pattern != DENSE.pattern]
+    dense = next((s for s in scored if s.candidate.pattern == DENSE.pattern), None)
+    cost = lambda s: float(s.cost_ms[h])  # noqa: E731
+    admissible = [s for s in sparse if cost(s) <= float(budget[h])]
+    reason = None
+    if admissible:
+        best = min(_rank(s, h, objective) for s in admissible)
+        tied = [s for s in admissible if _rank(s, h, objective) <= best + TIE_ABS + TIE_REL * abs(best)]
+        pick = min(tied, key=lambda s: (cost(s), _kind_rank(s)))  # min keeps search-space order on full ties
+    else:
+        pick = min(sparse, key=lambda s: (cost(s), _kind_rank(s)))
+        reason = "no candidate within budget: the cheapest"
+    error = float(pick.error[h])
+    if admissible and dense is not None and not error <= max_error:
+        return dense, f"dense: the best admissible sparse candidate ({pick.candidate.pattern}) has output error {error:.3g} > max_error {max_error:g}"
+    return pick, reason
+
+
+def choose(scored: list[Scored], budget: torch.Tensor, objective: str, max_error: float = MAX_ERROR) -> list[tuple[Scored, int]]:
+    """Per head: ``choose_head``'s pick. Returns (scored, head) pairs."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    heads = budget.numel()
-    picks = []
-    for h in range(heads):
-        admissible = [s for s in scored if float(s.cost_ms[h]) <= float(budget[h])]
-        if not admissible:
-            picks.append((min(scored, key=lambda s: float(s.cost_ms[h])), h))
-            continue
-        if objective == "output_error":
-            best = min(admissible, key=lambda s: float(s.error[h]))
-        else:
-            best = max(admissible, key=lambda s: float(s.recall[h]))
-        picks.append((best, h))
-    return picks
+    return [(choose_head(scored, budget, h, objective, max_error)[0], h) for h in range(budget.numel())]
+
+
+def target_cost(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """The space's target pattern's cost per head on these inputs (float64 [H], ms), without running it."""
+    n = k.shape[2]
+    s = score_candidate(space.target, space.resolve(space.target, n), q, k, None, None, None, head_space,
+                        space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
+    return s.cost_ms
+
+
+def dense_scored(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> Scored:
+    """The dense fallback entry: error 0, recall 1, density and cost of the dense index (costed like a
+    candidate: timed on a GPU, modelled on a CPU), never run here (it is the reference)."""
+    s = score_candidate(DENSE, DenseParams(), q, k, None, None, None, head_space, space.block_m, space.block_n,
+                        scale, costs, Timings(), row_pos=row_pos)
+    heads = s.cost_ms.numel()
+    return Scored(DENSE, s.params, torch.zeros(heads, dtype=torch.float64), torch.ones(heads, dtype=torch.float64), s.density, s.cost_ms)
 
 
 def score_layer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, space: SearchSpace, costs: CostModel, *,
     head_space: str = "query", modality: str = "text", frame_stride: int | None = None, scale: float | None = None,
     row_pos: torch.Tensor | None = None, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    budget: torch.Tensor | None = None, dense_fallback: bool = True,
 ) -> tuple[list[Scored], torch.Tensor, Timings]:
     """Score every applicable candidate of the space on one layer, or on one permuted modality region of
     it (q rows [1, Hq, Nq, D] and keys k/v [1, Hkv, Nk, D] gathered, row_pos their frame: grid candidates
     do not apply there, token counts scale with Nk, the budget is the target's cost on the same region).
     reference: the dense (out, lse) of these inputs when the caller has it already (``space_reference``).
+    budget: float64 [H] ms to prune against instead of the target's cost here x (1 + slack) (a region's
+    share of the whole sequence's budget, search/boundary.py).
+    With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
+    max_error). The boundary search leaves it out of the regions other than the global one: a region's
+    error is relative to its own rows' output, not the head's (search/boundary.py).
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -225,9 +318,8 @@ def score_layer(
     ref_out, ref_lse = reference or space_reference(q, k, v, space, head_space, scale, row_pos)
     _sync(q)
     timings.kernel_s += time.perf_counter() - start
-    target = score_candidate(space.target, space.resolve(space.target, n), q, k, v, None, None, head_space,
-                             space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
-    budget = target.cost_ms * (1.0 + space.budget_slack)
+    if budget is None:
+        budget = target_cost(q, k, space, head_space, scale, costs, row_pos) * (1.0 + space.budget_slack)
     scored = []
     for cand in space.candidates:
         if not space.applies_to(cand, modality) or (row_pos is not None and not REGISTRY[cand.pattern].REGION):
@@ -239,19 +331,24 @@ def score_layer(
                                       scale, costs, timings, budget, row_pos))
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
+    if dense_fallback:
+        scored.append(dense_scored(q, k, space, head_space, scale, costs, row_pos))
     return scored, budget, timings
 
 
-def head_rows(scored: list[Scored], budget: torch.Tensor, objective: str) -> list[dict]:
+def head_rows(scored: list[Scored], budget: torch.Tensor, objective: str, max_error: float = MAX_ERROR) -> list[dict]:
     """One dict per head for the chosen candidate: pattern, params, density, recall, output_error,
-    latency_ms, score, admissible."""
+    latency_ms, score, admissible, reason (None, or why the pick is not the best admissible candidate)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     rows = []
-    for s, h in choose(scored, budget, objective):
+    for h in range(budget.numel()):
+        s, reason = choose_head(scored, budget, h, objective, max_error)
         rows.append({
             "head": h, "pattern": s.candidate.pattern, "params": s.params[h],
             "density": float(s.density[h]), "recall": float(s.recall[h]), "output_error": float(s.error[h]),
             "latency_ms": float(s.cost_ms[h]), "score": float(s.error[h] if objective == "output_error" else s.recall[h]),
-            "admissible": float(s.cost_ms[h]) <= float(budget[h]),
+            "admissible": float(s.cost_ms[h]) <= float(budget[h]), "reason": reason,
         })
     return rows
 
