@@ -27,7 +27,11 @@ def calibrate(
     eval_data: Annotated[str, typer.Option(help="Held-out data for the fidelity report ('' to skip).")] = "synthetic:passkey",
     eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
     eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out length in tokens (default: --max-tokens).")] = None,
-    min_tokens: Annotated[int, typer.Option(help="Runtime: prompts shorter than this run dense.")] = 1024,
+    min_tokens: Annotated[Optional[int], typer.Option(help="Runtime: prompts shorter than this run dense (default: measured on this device, SDPA vs index + sparse kernel).")] = None,
+    target_kl: Annotated[Optional[float], typer.Option(help="Quality target: choose per-head budgets across layers for the least cost whose model KL vs dense on calibration-distribution prompts is <= this (bisection with the runtime).")] = None,
+    max_output_error: Annotated[Optional[float], typer.Option(help="Quality target: each head its cheapest pattern with relative attention-output error <= this; others stay dense.")] = None,
+    latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
+    allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already at --out.")] = False,
@@ -48,7 +52,8 @@ def calibrate(
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
+                          latency_budget=latency_budget, allow_miss=allow_miss)
     space = preflight(cfg)  # bad input is one line before any progress output
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:
@@ -69,6 +74,9 @@ def calibrate(
         "boundaries": dict(Counter(r["boundary"] for r in _global(result.rows))),
         "mean_density": round(sum(density.values()) / max(1, len(density)), 4),
         "timings_s": {k: round(v, 2) for k, v in result.timings.items()}, "fidelity": result.fidelity,
+        "dense_cutoff": result.manifest["methods"]["mminference"].get("dense_cutoff"),
+        "target": _target_summary(result.manifest["methods"]["mminference"].get("target")),
+        "budget_png": str(result.curve_png) if result.curve_png else None,
     }
     if json_out:
         print_json(summary)
@@ -81,6 +89,36 @@ def _global(rows: list[dict]) -> list[dict]:
     from sparsesearch.artifacts.columns import is_global
 
     return [r for r in rows if is_global(r)]
+
+
+def _target_summary(target: dict | None) -> dict | None:
+    """The target record without its curve (the artifact keeps that)."""
+    if target is None:
+        return None
+    return {k: v for k, v in target.items() if k != "curve"}
+
+
+def _render_target(target: dict, cutoff: dict | None) -> None:
+    cal, held = target["calibration"], target.get("held_out") or {}
+    status = "met" if target["met"] else f"MISSED ({target['missed']})"
+    achieved = "-" if cal["achieved"] is None else f"{cal['achieved']:.3g}"
+    line = (f"target {target['kind']} {target['value']:g}: {status}; calibration {achieved}, cost {cal['cost_fraction']:.1%} of dense, "
+            f"mean density {cal['mean_density']:.1%} of searched heads, {cal['sparse_heads']} sparse heads")
+    if held.get("achieved") is not None:
+        line += f"; held-out {held['achieved']:.3g} ({'met' if held['met'] else 'NOT met'})"
+    out_console.print(line, highlight=False)
+    if target["dense_heads"]:
+        table = Table(title=f"heads kept dense ({len(target['dense_heads'])})")
+        table.add_column("layer", justify="right")
+        table.add_column("head", justify="right")
+        table.add_column("why")
+        for d in target["dense_heads"]:
+            table.add_row(str(d["layer"]), str(d["head"]), d["reason"])
+        out_console.print(table)
+    if cutoff:
+        out_console.print(f"dense cut-off ({cutoff.get('source')}, {cutoff.get('device', '-')}): runtime min_tokens "
+                          f"{cutoff['min_tokens'] if cutoff['min_tokens'] is not None else 'none: sparse never faster up to ' + str(cutoff.get('measured_up_to'))}",
+                          highlight=False)
 
 
 def _render(result, summary, density) -> None:
@@ -112,4 +150,9 @@ def _render(result, summary, density) -> None:
             f"greedy agreement {f['greedy_agreement']:.0%}, "
             f"retrieval dense {f['dense_accuracy']:.0%} vs sparse {f['sparse_accuracy']:.0%}, mean density {f['mean_density']:.1%}"
         )
-    out_console.print(f"timings: {summary['timings_s']}  map: {summary['map_png']}")
+    if summary["target"]:
+        _render_target(summary["target"], summary["dense_cutoff"])
+    elif summary["dense_cutoff"]:
+        cut = summary["dense_cutoff"]
+        out_console.print(f"dense cut-off ({cut.get('source')}): runtime min_tokens {cut['min_tokens']}", highlight=False)
+    out_console.print(f"timings: {summary['timings_s']}  map: {summary['map_png']}  budget curve: {summary['budget_png']}")

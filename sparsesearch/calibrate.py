@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -33,12 +34,17 @@ from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, wi
 from .artifacts.summary import effective_densities
 from .patterns import PARAMS
 from .search.cost import cost_model_for
-from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_layer
+from .patterns.dense import DenseParams
+from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_candidate, score_layer
 from .patterns.boundary import BOUNDARIES, scope_name, split_scope
 from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
 from .search.space import MODALITY_NAMES, Candidate, load_space
+from .search.targets import (
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, lagrangian_path, search_target,
+)
 
 GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
+DENSE_CANDIDATE = Candidate("dense", {})
 
 
 @dataclass
@@ -59,7 +65,14 @@ class CalibrateConfig:
     eval_data: str | None = "synthetic:passkey"
     eval_samples: int = 1
     eval_tokens: int | None = None  # held-out length (None: max_tokens)
-    min_tokens: int = 1024
+    min_tokens: int | None = None  # runtime dense cut-off; None: measured on this device (search/cutoff.py)
+    # Quality targets (search/targets.py), at most one: model KL on the calibration distribution, a per-head
+    # output-error cap, or a cost budget as a fraction of dense cost. allow_miss: write the best reachable
+    # allocation (marked missed) instead of refusing an unreachable target.
+    target_kl: float | None = None
+    max_output_error: float | None = None
+    latency_budget: float | None = None
+    allow_miss: bool = False
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
 
@@ -81,6 +94,7 @@ class CalibrationResult:
     fidelity: dict | None
     map_png: Path | None = None
     notes: list[str] = field(default_factory=list)
+    curve_png: Path | None = None
 
 
 def check_config(cfg: CalibrateConfig) -> None:
@@ -96,8 +110,24 @@ def check_config(cfg: CalibrateConfig) -> None:
         raise ValueError(f"--eval-tokens must be >= 64, got {cfg.eval_tokens}")
     if cfg.eval_samples < 0:
         raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
-    if cfg.min_tokens < 1:
+    if cfg.min_tokens is not None and cfg.min_tokens < 1:
         raise ValueError(f"--min-tokens must be >= 1, got {cfg.min_tokens}")
+    given = {kind: value for kind, value in _targets(cfg).items() if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one quality target, got {' and '.join('--' + k.replace('_', '-') for k in given)}")
+    for kind, value in given.items():
+        check_target(kind, value)
+    if cfg.allow_miss and not given:
+        raise ValueError("--allow-miss needs a target (--target-kl, --max-output-error or --latency-budget)")
+
+
+def _targets(cfg: CalibrateConfig) -> dict[str, float | None]:
+    return {"target_kl": cfg.target_kl, "max_output_error": cfg.max_output_error, "latency_budget": cfg.latency_budget}
+
+
+def target_of(cfg: CalibrateConfig) -> tuple[str, float] | None:
+    """(kind, value) of the one quality target set, or None."""
+    return next(((k, v) for k, v in _targets(cfg).items() if v is not None), None)
 
 
 def preflight(cfg: CalibrateConfig):
@@ -125,8 +155,9 @@ def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, devi
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _scored_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings) -> dict:
+def _scored_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings, dense_cost: torch.Tensor | None = None) -> dict:
     return {
+        **({} if dense_cost is None else {"dense_cost_ms": dense_cost.tolist()}),
         "budget_ms": budget.tolist(),
         "timings": dataclasses.asdict(timings),
         "candidates": [
@@ -219,7 +250,8 @@ def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, 
         if len(present) < 2:
             scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
                                             frame_stride=frame_stride, scale=cap.scale)
-            _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t))
+            dense = dense_cost(q, k, v, space, costs, cfg.head_space, cap.scale)
+            _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t, dense))
         else:
             cached = {scope: ScopeResult(*_scored_from_json(json.loads(path.read_text())))
                       for scope, path in _scope_files(work, si, cap.layer).items()}
@@ -230,6 +262,15 @@ def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, 
         progress.layer(si, cap.layer, info.num_layers)
 
     return on_layer
+
+
+def dense_cost(q, k, v, space, costs, head_space: str, scale: float | None) -> torch.Tensor:
+    """Per head of the head space, the cost model's price of dense attention (float64 [H], ms): the point
+    of error 0 on every head's curve that the quality targets trade against (search/targets.py)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    dense = score_candidate(DENSE_CANDIDATE, DenseParams(), q, k, v, None, None, head_space, space.block_m,
+                            space.block_n, scale, costs, Timings())
+    return dense.cost_ms
 
 
 def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings) -> tuple[list[dict], float, dict | None]:
@@ -267,6 +308,108 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
     return rows, error, report
 
 
+TUNE_SEED_OFFSET = 5000  # target tuning prompts: held_out(data, seed + 5000 + i), disjoint from the verification's
+VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
+CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
+
+
+def _layer_curves(work: Path, layer: int, n_samples: int) -> tuple[list[Scored], list[HeadCurve]]:
+    """A searched layer's global scores averaged over the samples, and per head its (cost, error) curve with
+    the dense point (search/targets.py)."""
+    data = [json.loads(p.read_text()) for si in range(n_samples) if (p := _scope_path(work, si, layer, GLOBAL)).is_file()]
+    if any("dense_cost_ms" not in d for d in data):
+        raise ValueError(f"layer {layer}: the saved scores predate quality targets (no dense cost); drop --resume to search again")
+    scored = mean_scored([_scored_from_json(d)[0] for d in data])
+    dense = torch.tensor([d["dense_cost_ms"] for d in data], dtype=torch.float64).mean(0)
+    curves = [HeadCurve(layer, h, tuple(float(s.cost_ms[h]) for s in scored), tuple(float(s.error[h]) for s in scored),
+                        float(dense[h]), tuple(s.candidate.key for s in scored)) for h in range(dense.numel())]
+    return scored, curves
+
+
+def _allocation_rows(alloc: Allocation, curves: list[HeadCurve], scored: dict[int, list[Scored]], space) -> list[dict]:
+    """heads rows of an allocation: each head's chosen candidate, or a dense row (density 1, error 0)."""
+    rows = []
+    for c, i in zip(curves, alloc.choices):
+        if i == DENSE:
+            r = {"head": c.head, "pattern": "dense", "params": DenseParams(), "density": 1.0, "recall": 1.0,
+                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0}
+        else:
+            s, h = scored[c.layer][i], c.head
+            r = {"head": h, "pattern": s.candidate.pattern, "params": s.params[h], "density": float(s.density[h]),
+                 "recall": float(s.recall[h]), "output_error": float(s.error[h]), "latency_ms": float(s.cost_ms[h]), "score": float(s.error[h])}
+        rows.append(_artifact_row(c.layer, GLOBAL, r, space))
+    return rows
+
+
+def _point(alloc: Allocation, curves: list[HeadCurve], rows: list[dict]) -> dict:
+    """One budget-curve point: multiplier, total cost over dense, mean density and output error of the searched heads."""
+    lam = None if alloc.lam is None or not math.isfinite(alloc.lam) else round(alloc.lam, 9)
+    return {"lam": lam, "cost_fraction": round(alloc.cost_fraction(curves), 6), "sparse_heads": sum(i != DENSE for i in alloc.choices),
+            "mean_density": round(sum(r["density"] for r in rows) / len(rows), 6),
+            "mean_output_error": round(sum(r["output_error"] for r in rows) / len(rows), 6)}
+
+
+def fidelity_kl(fidelity: dict) -> tuple[str, float]:
+    """(key, value) of the KL an ``evaluate_fidelity`` result carries — whichever KL it measures (next-token
+    today, teacher-forced over every position later): the first key naming a KL with a number."""
+    for key, value in fidelity.items():
+        if "kl" in key.split("_") and isinstance(value, (int, float)):
+            return key, float(value)
+    raise ValueError(f"fidelity result has no KL to hold a --target-kl against (keys: {sorted(fidelity)})")
+
+
+def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: list[int], space,
+                    kl_of: Callable[[list[dict]], float]) -> tuple[list[dict], dict]:
+    """The quality target's allocation over the searched layers (search/targets.py) -> (global rows, the
+    manifest's target record without the held-out part). kl_of(rows) measures the model KL of the searched
+    layers' rows on the tuning prompts (target_kl only). Raises ValueError for an unreachable target
+    unless cfg.allow_miss."""
+    kind, value = target_of(cfg)
+    scored, curves = {}, []
+    for layer in layers:
+        scored[layer], layer_curves = _layer_curves(work, layer, n_samples)
+        curves.extend(layer_curves)
+    rows_of = lambda a: _allocation_rows(a, curves, scored, space)
+    path = lagrangian_path(curves)
+    measured: dict[int, float] = {}
+    miss = None
+    if kind == "max_output_error":
+        alloc = cap_allocation(curves, value)
+        if all(i == DENSE for i in alloc.choices):
+            smallest = min((e for c in curves for e in c.error), default=math.inf)
+            miss = f"--max-output-error {value:g} cannot be met by any sparse candidate: every head would be dense (smallest error searched {smallest:.3g})"
+    elif kind == "latency_budget":
+        alloc = budget_allocation(curves, value)
+        if alloc is None:
+            alloc = path[0]
+            miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
+    else:
+        found = search_target(path, lambda a: kl_of(rows_of(a)), value)
+        measured = found.measured
+        alloc = path[found.best if found.chosen is None else found.chosen]
+        if found.chosen is None:
+            miss = (f"--target-kl {value:g} cannot be met on the calibration data: the densest sparse allocation "
+                    f"({_point(alloc, curves, rows_of(alloc))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
+                    f"{measured[found.best]:.3g}; only all-dense meets it")
+    if miss and not cfg.allow_miss:
+        raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
+    rows = rows_of(alloc)
+    point = _point(alloc, curves, rows)
+    achieved = {"target_kl": measured.get(path.index(alloc)) if kind == "target_kl" else None,
+                "max_output_error": max(r["output_error"] for r in rows), "latency_budget": point["cost_fraction"]}[kind]
+    keep = sorted(set(measured) | set(range(0, len(path), max(1, len(path) // CURVE_POINTS))) | {len(path) - 1})
+    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
+    record = {
+        "kind": kind, "value": value, "met": miss is None, "allow_miss": cfg.allow_miss, "missed": miss,
+        "allocation": "per-head cap" if kind == "max_output_error" else "lagrangian path (cost + lam x dense cost x error per head)",
+        "calibration": {"data": cfg.data, "achieved": achieved, **point,
+                        "kl_prompts": {"seeds_from": cfg.seed + TUNE_SEED_OFFSET, "samples": cfg.samples} if kind == "target_kl" else None},
+        "curve": curve, "path_points": len(path),
+        "dense_heads": [{"layer": l, "head": h, "reason": alloc.reasons[(l, h)]} for l, h in alloc.dense_heads(curves)],
+    }
+    return rows, record
+
+
 def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
     """The manifest's account of the inter-modality step."""
     if not report:
@@ -302,6 +445,9 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     device = str(next(model.parameters()).device)
     progress.stage("loading calibration data")
     samples = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples, seed=cfg.seed)
+    if target_of(cfg) and any(len(_modalities_present(x)) > 1 for x in samples):
+        raise ValueError("quality targets allocate the global pattern of text calibration data; multi-modal data "
+                         "(boundary search over modality regions) is not supported with --target-kl/--max-output-error/--latency-budget")
     data_sha = sha256_of(samples)
     work, created = _prepare_workdir(cfg, _fingerprint(cfg, info, data_sha, space.sha256, device))
     costs = cost_model_for(device)
@@ -359,12 +505,34 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         methods=methods, calibration={"source": cfg.data, "sha256": data_sha, "lengths": lengths, "seed": cfg.seed},
         search_space={"name": space.name, "sha256": space.sha256}, created=created,
     )
+    mm = manifest["methods"]["mminference"]
+    target = None
+    if target_of(cfg):
+        progress.stage(f"allocating budgets for --{target_of(cfg)[0].replace('_', '-')}")
+        sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
+
+        def kl_of(global_rows: list[dict]) -> float:
+            fid = evaluate_fidelity(model, tokenizer, manifest, sliding + global_rows, data=cfg.data, samples=cfg.samples,
+                                    tokens=cfg.max_tokens, seed=cfg.seed + TUNE_SEED_OFFSET, min_tokens=VERIFY_MIN_TOKENS)
+            return fidelity_kl(fid)[1]
+
+        global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of)
+        rows = sliding + global_rows
+        mm["objective"] = f"target {target['kind']}"
+        mm["calibration_layer_output_error"] = {
+            str(layer): round(sum(r["output_error"] for r in global_rows if r["layer"] == layer) / max(1, sum(r["layer"] == layer for r in global_rows)), 6)
+            for layer in info.global_layers}
+        mm["target"] = target
+    progress.stage("measuring the dense cut-off")
+    mm["dense_cutoff"] = _dense_cutoff(cfg, rows, info, model)
     fidelity = None
     if cfg.eval_data and cfg.eval_samples:
         progress.stage("fidelity on held-out data")
         fidelity = evaluate_fidelity(model, tokenizer, manifest, rows, data=cfg.eval_data, samples=cfg.eval_samples,
-                                     tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=cfg.min_tokens)
-        manifest["methods"]["mminference"]["fidelity"] = fidelity
+                                     tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=VERIFY_MIN_TOKENS)
+        mm["fidelity"] = fidelity
+        if target is not None:
+            target["held_out"] = held_out_check(target, fidelity)
     progress.stage("writing artifact")
     path = write_artifact(cfg.out, manifest, {"heads.parquet": rows}, overwrite=cfg.overwrite)
     manifest = json.loads((path / "manifest.json").read_text())  # as written: with the files' hashes
@@ -375,9 +543,43 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         png = draw_heads_map(rows, info, cfg.out.with_name(cfg.out.name + ".png"), effective_densities(manifest, rows))
     except ImportError:  # matplotlib missing: the artifact stands without its picture
         png = None
+    curve_png = None
+    if target is not None:
+        try:
+            from .report.budget_plot import draw_budget_curve
+
+            curve_png = draw_budget_curve(manifest["methods"]["mminference"]["target"], info, cfg.out.with_name(cfg.out.name + ".budget.png"))
+        except ImportError:  # matplotlib missing
+            curve_png = None
     shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
-    return CalibrationResult(path, manifest, rows, timings, fidelity, png)
+    return CalibrationResult(path, manifest, rows, timings, fidelity, png, curve_png=curve_png)
+
+
+def _dense_cutoff(cfg: CalibrateConfig, rows: list[dict], info, model) -> dict:
+    """The manifest's dense cut-off: measured on this device (search/cutoff.py) unless --min-tokens gives it."""
+    from .search.cutoff import measure_cutoff
+
+    if cfg.min_tokens is not None:
+        return {"min_tokens": cfg.min_tokens, "source": "--min-tokens (not measured)"}
+    param = next(model.parameters())
+    return {**measure_cutoff(rows, info, head_space=cfg.head_space, max_tokens=cfg.max_tokens, dtype=param.dtype, device=param.device),
+            "source": "measured"}
+
+
+def held_out_check(target: dict, fidelity: dict) -> dict:
+    """The target checked on the held-out fidelity run: its KL (and which KL it is), and for a KL or an
+    output-error target whether the held-out value meets it (output error: the largest layer error the
+    runtime audit measured, a bound below the per-head maximum the cap holds)."""
+    key, kl = fidelity_kl(fidelity)
+    layer_errors = list(fidelity.get("layer_output_error", {}).values())
+    out = {"data": fidelity.get("eval_data"), "samples": fidelity.get("samples"), "kl_metric": key, "kl": kl,
+           "max_layer_output_error": max(layer_errors) if layer_errors else None}
+    if target["kind"] == "target_kl":
+        out["achieved"], out["met"] = kl, kl <= target["value"]
+    elif target["kind"] == "max_output_error" and layer_errors:
+        out["achieved"], out["met"] = max(layer_errors), max(layer_errors) <= target["value"]
+    return out
 
 
 def sliding_rows(info, head_space: str, tokens: int) -> list[dict]:

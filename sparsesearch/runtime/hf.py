@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..models.info import ModelInfo
-from .plan import DEFAULT_MIN_TOKENS, Plan, build_plan
+from .plan import Plan, build_plan
 from .run import Runner
 
 ATTN_NAME = "sparsesearch"
@@ -153,12 +153,13 @@ def _attention_modules(model, num_layers: int):
             yield module
 
 
-def apply(model, artifact, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False, nosa: bool = True) -> Plan:
+def apply(model, artifact, *, min_tokens: int | None = None, last_row_only: bool = False, nosa: bool = True) -> Plan:
     """Plan the artifact for this model and route its attention through sparsesearch. Returns the plan.
 
     artifact: an object with ``manifest`` (dict) and ``heads`` (DataFrame), e.g. from artifacts.load_artifact.
     nosa: when the artifact has ``methods.nosa``, offload decode with its recommended configuration for
     generations given ``nosa_cache(model)`` as their cache (others decode as before).
+    min_tokens None: the artifact's measured dense cut-off (plan.artifact_min_tokens).
     """
     from ..kernels._common import SUPPORTED_HEAD_DIMS
 
@@ -220,7 +221,7 @@ def runner_of(model) -> Runner | None:
     return None
 
 
-def load_sparse_model(spec: str, *, artifact=None, min_tokens: int = DEFAULT_MIN_TOKENS, **kwargs):
+def load_sparse_model(spec: str, *, artifact=None, min_tokens: int | None = None, **kwargs):
     """``sparsesearch.models.load_model`` plus, when ``artifact`` (a path) is given, its validation against
     the model and ``apply``. Returns (model, tokenizer, info, plan or None): one more item than
     ``models.load_model``, hence its own name."""

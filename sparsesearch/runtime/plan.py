@@ -60,13 +60,27 @@ class Plan:
         return counts
 
 
-def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int = DEFAULT_MIN_TOKENS, last_row_only: bool = False) -> Plan:
+def artifact_min_tokens(manifest: dict) -> int:
+    """The dense cut-off an artifact carries (methods.mminference.dense_cutoff, measured by calibrate on its
+    device; search/cutoff.py), else DEFAULT_MIN_TOKENS. A measured "never faster" (min_tokens null) means
+    dense up to the longest length measured."""
+    cutoff = ((manifest.get("methods") or {}).get("mminference") or {}).get("dense_cutoff")
+    if not cutoff:
+        return DEFAULT_MIN_TOKENS
+    from ..search.cutoff import runtime_min_tokens
+
+    return runtime_min_tokens(cutoff)
+
+
+def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int | None = None, last_row_only: bool = False) -> Plan:
     """Plan from an artifact's manifest and heads table (a pandas DataFrame with the HEADS_SCHEMA columns).
+    min_tokens None: the artifact's own cut-off (``artifact_min_tokens``).
 
     Every head runs its global (all x all) row. A head whose rows carry boundary k, q or 2d also gets its
     region rows (patterns/boundary.py): calls that carry modality ids (Runner.modality) run those; calls
     without fall back to the global row. Heads with no row run dense.
     """
+    min_tokens = artifact_min_tokens(manifest) if min_tokens is None else min_tokens
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
     head_space = manifest.get("head_index_space", "query")

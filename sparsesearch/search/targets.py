@@ -1,0 +1,198 @@
+"""Quality-targeted budgets: one candidate per head across every layer, chosen for a model-level target.
+
+The search (search/layer.py) leaves, per head, a curve of candidates with a cost (ms, measured on a GPU,
+modelled on a CPU) and a relative output error; dense is one more point (its own cost, error 0). This
+module picks one point per head:
+
+- ``--max-output-error E`` (``cap_allocation``): each head takes its cheapest candidate with error <= E;
+  a head with none stays dense.
+- the Lagrangian path (``lagrangian_path``): for a multiplier lam every head minimises
+  ``cost + lam * dense_cost * error`` independently (error weighted by the head's own dense cost, so lam
+  is unitless and one lam trades equally in every layer: "pay up to lam of a dense head's cost to remove
+  one unit of relative error"). Raising lam moves heads up their lower convex hulls one breakpoint at a
+  time, so the path is a finite list of allocations from all-cheapest (lam = 0) to all-dense, total cost
+  non-decreasing and total error non-increasing along it.
+- ``--latency-budget F`` (``budget_allocation``): the dual — the last point of the path whose total cost
+  is <= F x the all-dense cost (F a fraction of dense cost under the same cost model, so it means the same
+  on a CPU's modelled costs and a GPU's measured ones).
+- ``--target-kl X`` (``search_target``): per-head errors are only a proxy for the model's KL, so the path
+  is bisected with the *measured* KL of each probed allocation (the caller runs the model through the
+  runtime) and the cheapest allocation that meets X is kept. The all-dense end of the path is never a
+  result: when only it meets X the target is unreachable and the caller says so.
+
+Everything here is plain data (floats and lists): the caller converts the search's tensors once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+DENSE = -1  # the choice index of dense in an allocation
+KINDS = ("target_kl", "max_output_error", "latency_budget")
+
+
+@dataclass(frozen=True)
+class HeadCurve:
+    """One head's options: candidate i has cost[i] (ms) and error[i] (relative output error; inf when the
+    search pruned it); dense costs dense_cost with error 0. names[i] labels candidate i in reports."""
+
+    layer: int
+    head: int
+    cost: tuple[float, ...]
+    error: tuple[float, ...]
+    dense_cost: float
+    names: tuple[str, ...] = ()
+
+    def usable(self) -> list[int]:
+        """Candidates worth a look: measured (finite error) and cheaper than dense (a sparse candidate that
+        costs at least dense with a nonzero error is dominated by dense)."""
+        return [i for i, (c, e) in enumerate(zip(self.cost, self.error)) if math.isfinite(e) and c < self.dense_cost]
+
+    def cost_of(self, choice: int) -> float:
+        return self.dense_cost if choice == DENSE else self.cost[choice]
+
+    def error_of(self, choice: int) -> float:
+        return 0.0 if choice == DENSE else self.error[choice]
+
+
+@dataclass
+class Allocation:
+    """One choice per head (curve order): a candidate index or DENSE; lam: the multiplier that chose it
+    (None for a cap allocation); reasons: why each dense head is dense, by (layer, head)."""
+
+    choices: list[int]
+    lam: float | None = None
+    reasons: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def cost(self, curves: list[HeadCurve]) -> float:
+        return sum(c.cost_of(i) for c, i in zip(curves, self.choices))
+
+    def cost_fraction(self, curves: list[HeadCurve]) -> float:
+        """Total cost over the all-dense cost: float in (0, 1]."""
+        return self.cost(curves) / max(1e-30, sum(c.dense_cost for c in curves))
+
+    def dense_heads(self, curves: list[HeadCurve]) -> list[tuple[int, int]]:
+        return [(c.layer, c.head) for c, i in zip(curves, self.choices) if i == DENSE]
+
+
+def check_target(kind: str, value: float) -> None:
+    """ValueError (the CLI's exit 2) for an unknown kind or a value outside its range."""
+    if kind not in KINDS:
+        raise ValueError(f"target kind must be one of {KINDS}, got {kind!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--{kind.replace('_', '-')} must be a positive number, got {value}")
+    if kind == "latency_budget" and value >= 1:
+        raise ValueError(f"--latency-budget is a fraction of the dense cost in (0, 1), got {value}")
+
+
+def cap_allocation(curves: list[HeadCurve], max_error: float) -> Allocation:
+    """Each head: its cheapest usable candidate with error <= max_error (ties: the earlier candidate);
+    dense when there is none, with the reason."""
+    choices, reasons = [], {}
+    for c in curves:
+        ok = [i for i in c.usable() if c.error[i] <= max_error]
+        if ok:
+            choices.append(min(ok, key=lambda i: (c.cost[i], i)))
+            continue
+        choices.append(DENSE)
+        reasons[(c.layer, c.head)] = _dense_reason(c, f"no sparse candidate within output error {max_error:g}")
+    return Allocation(choices, None, reasons)
+
+
+def _dense_reason(c: HeadCurve, why: str) -> str:
+    usable = c.usable()
+    if not usable:
+        return f"{why}: no sparse candidate was measured cheaper than dense"
+    best = min(usable, key=lambda i: (c.error[i], c.cost[i]))
+    name = c.names[best] if c.names else f"candidate {best}"
+    return f"{why} (best: {name}, error {c.error[best]:.3g} at {c.cost[best] / c.dense_cost:.0%} of dense cost)"
+
+
+def _pick(c: HeadCurve, lam: float) -> int:
+    """argmin over dense + usable candidates of cost + lam * dense_cost * error; ties go to the cheaper
+    option, then the earlier candidate (dense last), so lam = 0 picks the cheapest candidate."""
+    options = [(c.cost[i] + lam * c.dense_cost * c.error[i], c.cost[i], i) for i in c.usable()]
+    options.append((c.dense_cost, c.dense_cost, len(c.cost)))  # dense: error 0
+    best = min(options)[2]
+    return DENSE if best == len(c.cost) else best
+
+
+def _breakpoints(c: HeadCurve) -> list[float]:
+    """The multipliers at which this head's pick changes: slopes between consecutive points of the lower
+    convex hull of (error, cost) walked from the cheapest option towards dense."""
+    points = sorted({(c.error[i], c.cost[i]) for i in c.usable()} | {(0.0, c.dense_cost)}, key=lambda p: (p[1], p[0]))
+    out, (err, cost) = [], points[0]
+    while err > 0:
+        # Next hull point: the option with lower error that costs the least extra per unit of error removed.
+        steps = [((pc - cost) / (err - pe), pe, pc) for pe, pc in points if pe < err]
+        slope, err, cost = min(steps)
+        out.append(max(0.0, slope) / c.dense_cost)
+    return out
+
+
+def lagrangian_path(curves: list[HeadCurve]) -> list[Allocation]:
+    """Allocations from lam = 0 (every head its cheapest candidate) to all-dense, one per distinct set of
+    picks, in order of rising lam (so of non-decreasing total cost). The last one is all-dense."""
+    lams = sorted({b for c in curves for b in _breakpoints(c)})
+    path = [Allocation([_pick(c, 0.0) for c in curves], 0.0)]
+    for b in lams:
+        lam = b * (1 + 1e-9) + 1e-300  # just past the breakpoint: the head has switched
+        picks = [_pick(c, lam) for c in curves]
+        if picks != path[-1].choices:
+            path.append(Allocation(picks, lam))
+    if any(i != DENSE for i in path[-1].choices):  # heads whose error-0 candidate beats dense stay sparse
+        path.append(Allocation([DENSE] * len(curves), math.inf))
+    for a in path:
+        a.reasons = {(c.layer, c.head): _dense_reason(c, f"dense costs less than any sparse candidate's cost + "
+                                                         f"{a.lam:.3g} x dense cost x error")
+                     for c, i in zip(curves, a.choices) if i == DENSE}
+    return path
+
+
+def budget_allocation(curves: list[HeadCurve], fraction: float) -> Allocation | None:
+    """The lowest-error allocation of the path whose cost is <= fraction x all-dense cost; None when even
+    the cheapest one (lam = 0) costs more."""
+    fits = [a for a in lagrangian_path(curves) if a.cost_fraction(curves) <= fraction + 1e-12]
+    return fits[-1] if fits else None
+
+
+@dataclass
+class TargetSearch:
+    """The result of ``search_target``: the chosen path index (None: no sparse allocation met the target),
+    the measured points {path index: value}, and the best reachable index (the lowest value measured among
+    sparse allocations) for --allow-miss."""
+
+    chosen: int | None
+    measured: dict[int, float]
+    best: int
+
+
+def search_target(path: list[Allocation], measure: Callable[[Allocation], float], target: float) -> TargetSearch:
+    """Bisect the path (value assumed non-increasing along it, as more heads go denser) for the cheapest
+    allocation whose measured value (KL) is <= target. The all-dense end is excluded: measured first is the
+    densest sparse allocation (path[-2]); if it misses, nothing cheaper is tried and chosen is None.
+    Measures about log2(len(path)) + 1 allocations."""
+    if len(path) < 2:
+        raise ValueError("no sparse candidate is cheaper than dense for any head: nothing to allocate")
+    measured: dict[int, float] = {}
+
+    def value(i: int) -> float:
+        if i not in measured:
+            measured[i] = float(measure(path[i]))
+        return measured[i]
+
+    hi = len(path) - 2
+    if value(hi) > target:
+        return TargetSearch(None, measured, hi)
+    if value(0) <= target:
+        return TargetSearch(0, measured, 0)
+    lo = 0  # invariant: path[lo] misses the target, path[hi] meets it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if value(mid) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return TargetSearch(hi, measured, hi)

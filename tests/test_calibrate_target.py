@@ -1,0 +1,149 @@
+"""calibrate with a quality target on a tiny random Llama (CPU): the allocation meets the target it was
+given on the tuning prompts with the runtime, records target/achieved/curve/dense heads in a manifest that
+validates, and an unreachable target is one line + exit 2 unless --allow-miss. Plus the measured dense
+cut-off and the runtime reading it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sparsesearch.artifacts import load_artifact
+from sparsesearch.calibrate import CalibrateConfig, calibrate
+from sparsesearch.runtime.plan import DEFAULT_MIN_TOKENS, artifact_min_tokens, build_plan
+from sparsesearch.search.cutoff import cutoff_from, ladder, measure_cutoff, runtime_min_tokens
+from sparsesearch_cli.app import app
+from test_calibrate import SPACE
+from tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def space_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("space") / "space.json"
+    path.write_text(json.dumps(SPACE))
+    return path
+
+
+def _args(model, space, out, *extra):
+    return ["calibrate", "--model", model, "--search-space", str(space), "--max-tokens", "256", "--data", "synthetic:passkey",
+            "--out", str(out), "--min-tokens", "128", *extra]
+
+
+@pytest.mark.slow  # ~40 s on 2 busy cores: a search plus a bisection of ~4 runtime KL measurements
+def test_target_kl_is_met_with_the_runtime_and_recorded(tiny_model, space_file, tmp_path):
+    target = 5e-3
+    res = calibrate(CalibrateConfig(model=tiny_model, data="synthetic:passkey", search_space=str(space_file), max_tokens=256,
+                                    out=tmp_path / "a", eval_data="synthetic:passkey", eval_samples=1, target_kl=target))
+    rec = res.manifest["methods"]["mminference"]["target"]
+    assert rec["kind"] == "target_kl" and rec["value"] == target and rec["met"] and rec["missed"] is None
+    chosen = rec["calibration"]
+    assert chosen["achieved"] is not None and chosen["achieved"] <= target
+    measured = [p for p in rec["curve"] if "kl" in p]
+    assert measured and all(p["kl"] > target for p in measured if p["cost_fraction"] < chosen["cost_fraction"]), \
+        "every cheaper allocation measured misses the target: the chosen one is the cheapest found"
+    assert [p["cost_fraction"] for p in rec["curve"]] == sorted(p["cost_fraction"] for p in rec["curve"])
+    assert rec["held_out"]["kl"] == res.fidelity["next_token_kl"] and rec["held_out"]["met"] == (res.fidelity["next_token_kl"] <= target)
+    loaded = load_artifact(res.path)  # validates the manifest against the schema
+    heads = loaded.heads
+    dense = {(d["layer"], d["head"]) for d in rec["dense_heads"]}
+    assert dense == {(int(r.layer), int(r.head)) for r in heads.itertuples() if r.pattern == "dense"}
+    assert all(d["reason"] for d in rec["dense_heads"])
+    assert res.curve_png is not None and res.curve_png.stat().st_size > 0
+    # The runtime threshold came from --min-tokens (not given: measured) and the plan reads it.
+    cut = res.manifest["methods"]["mminference"]["dense_cutoff"]
+    assert cut["source"] == "measured" and [p["tokens"] for p in cut["points"]] == [256]
+    assert artifact_min_tokens(res.manifest) == runtime_min_tokens(cut)
+
+
+def test_unreachable_target_exits_2_then_allow_miss_writes_it_marked(tiny_model, space_file, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "a"
+    first = runner.invoke(app, _args(tiny_model, space_file, out, "--target-kl", "1e-12", "--eval-data", ""))
+    assert first.exit_code == 2, first.output
+    assert "only all-dense meets it" in first.output and "--allow-miss" in first.output and "Traceback" not in first.output
+    assert not out.exists()
+    second = runner.invoke(app, _args(tiny_model, space_file, out, "--target-kl", "1e-12", "--eval-data", "", "--allow-miss",
+                                      "--resume", "--json"))  # the scores of the refused run are reused
+    assert second.exit_code == 0, second.output
+    rec = load_artifact(out).manifest["methods"]["mminference"]["target"]
+    assert not rec["met"] and "cannot be met" in rec["missed"] and rec["allow_miss"]
+    assert rec["calibration"]["sparse_heads"] >= 1  # the best reachable sparse allocation, not all-dense
+
+
+def test_max_output_error_caps_every_sparse_head(tiny_model, space_file, tmp_path):
+    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "a", "--max-output-error", "0.4", "--eval-data", "", "--json"))
+    assert result.exit_code == 0, result.output
+    heads = load_artifact(tmp_path / "a").heads
+    sparse = heads[heads.pattern != "dense"]
+    assert (sparse.output_error <= 0.4).all() and (heads[heads.pattern == "dense"].output_error == 0).all()
+    summary = json.loads(result.stdout)
+    assert summary["target"]["kind"] == "max_output_error" and summary["target"]["calibration"]["achieved"] <= 0.4
+    assert summary["dense_cutoff"] == {"min_tokens": 128, "source": "--min-tokens (not measured)"}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target-kl", "0"], "--target-kl must be a positive number, got 0.0"),
+    (["--target-kl", "-0.01"], "--target-kl must be a positive number"),
+    (["--max-output-error", "0"], "--max-output-error must be a positive number"),
+    (["--latency-budget", "1.5"], "fraction of the dense cost in (0, 1), got 1.5"),
+    (["--target-kl", "1e-3", "--max-output-error", "0.1"], "at most one quality target"),
+    (["--allow-miss"], "--allow-miss needs a target"),
+])
+def test_bad_targets_exit_2_with_one_line(tiny_model, space_file, tmp_path, extra, message):
+    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "a", "--eval-data", "", *extra))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists()
+
+
+# ------------------------------------------------------------------------------ dense cut-off
+def test_cutoff_is_where_sparse_wins_from_then_on():
+    pts = lambda *ms: [{"tokens": 256 << i, "dense_ms": d, "sparse_ms": s} for i, (d, s) in enumerate(ms)]
+    assert cutoff_from(pts((1, 2), (2, 2.5), (4, 3), (8, 4))) == 1024
+    assert cutoff_from(pts((1, 0.5), (2, 3), (4, 3), (8, 4))) == 1024  # an early win that does not last is not the cut-off
+    assert cutoff_from(pts((1, 2), (2, 3))) is None
+    assert runtime_min_tokens({"min_tokens": None, "measured_up_to": 4096}) == 4097
+    assert ladder(4096) == [256, 512, 1024, 2048, 4096] and ladder(3000) == [256, 512, 1024, 2048, 3000] and ladder(100) == [100]
+
+
+def test_measure_cutoff_times_the_artifacts_pattern_on_this_device():
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64)
+    row = {"layer": 0, "head": 0, "q_modality": "all", "k_modality": "all", "pattern": "ashape", "sink": 32, "local": 64,
+           "block_m": 64, "block_n": 64}
+    cut = measure_cutoff([row, {**row, "head": 1}], info, head_space="kv", max_tokens=512, dtype=__import__("torch").float32,
+                         device="cpu", reps=1)
+    assert cut["pattern"] == {"name": "ashape", "sink": 32, "local": 64}
+    assert [p["tokens"] for p in cut["points"]] == [256, 512] and all(p["dense_ms"] > 0 and p["sparse_ms"] > 0 for p in cut["points"])
+    assert cut["min_tokens"] == cutoff_from(cut["points"]) and cut["backend"] == "torch"
+    dense_only = measure_cutoff([{**row, "pattern": "dense"}], info, head_space="kv", max_tokens=512,
+                                dtype=__import__("torch").float32, device="cpu")
+    assert dense_only["min_tokens"] is None and dense_only["points"] == []
+
+
+def test_plan_takes_the_artifacts_cutoff_unless_given():
+    from artifact_fixtures import TINY
+
+    manifest = _manifest({"min_tokens": 2048, "source": "measured"})
+    assert build_plan(manifest, None, TINY).min_tokens == 2048
+    assert build_plan(manifest, None, TINY, min_tokens=64).min_tokens == 64
+
+
+def _manifest(cutoff):
+    return {"head_index_space": "kv", "methods": {"mminference": {"dense_cutoff": cutoff} if cutoff else {}}}
+
+
+@pytest.mark.parametrize("cutoff, expected", [
+    (None, DEFAULT_MIN_TOKENS), ({"min_tokens": 2048, "source": "measured"}, 2048),
+    ({"min_tokens": None, "source": "measured", "measured_up_to": 4096}, 4097),
+])
+def test_artifact_min_tokens(cutoff, expected):
+    assert artifact_min_tokens(_manifest(cutoff)) == expected

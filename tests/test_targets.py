@@ -1,0 +1,82 @@
+"""search/targets.py: per-head budget allocation for a quality target. Plain data, exact answers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from sparsesearch.search.targets import (
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, lagrangian_path, search_target,
+)
+
+# Head (0, 0): a good cheap candidate; head (1, 0): only a poor one; head (1, 1): one pruned (inf) and
+# one costing more than dense.
+CURVES = [
+    HeadCurve(0, 0, cost=(1.0, 2.0, 4.0), error=(0.30, 0.05, 0.01), dense_cost=10.0, names=("a", "b", "c")),
+    HeadCurve(1, 0, cost=(1.0, 3.0), error=(0.60, 0.40), dense_cost=10.0, names=("a", "b")),
+    HeadCurve(1, 1, cost=(2.0, 12.0), error=(math.inf, 0.001), dense_cost=10.0, names=("a", "b")),
+]
+
+
+def brute_force(curves, lam):
+    """Min over every joint choice of sum(cost + lam * dense_cost * error): the separable optimum."""
+    options = [[DENSE] + c.usable() for c in curves]
+    score = lambda picks: sum(c.cost_of(i) + lam * c.dense_cost * c.error_of(i) for c, i in zip(curves, picks))
+    return min(score(p) for p in itertools.product(*options)), score
+
+
+def test_cap_takes_the_cheapest_within_the_cap_and_says_why_a_head_is_dense():
+    a = cap_allocation(CURVES, 0.1)
+    assert a.choices == [1, DENSE, DENSE]
+    assert "no sparse candidate within output error 0.1" in a.reasons[(1, 0)]
+    assert "best: b, error 0.4" in a.reasons[(1, 0)]
+    assert "cheaper than dense" in a.reasons[(1, 1)]  # its only finite candidate costs more than dense
+    assert cap_allocation(CURVES, 0.7).choices == [0, 0, DENSE]
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.0, 3.0, 20.0, 100.0])
+def test_each_path_point_is_the_lagrangian_optimum_and_cost_rises(lam):
+    path = lagrangian_path(CURVES)
+    assert path[0].choices == [0, 0, DENSE] and path[-1].choices == [DENSE] * 3
+    costs = [a.cost(CURVES) for a in path]
+    assert costs == sorted(costs)
+    errors = [sum(c.error_of(i) for c, i in zip(CURVES, a.choices)) for a in path]
+    assert errors == sorted(errors, reverse=True)
+    best, score = brute_force(CURVES, lam)
+    # The allocation the path holds for lam (the last point whose lam is <= lam) reaches the optimum.
+    here = [a for a in path if a.lam <= lam][-1]
+    assert score(here.choices) == pytest.approx(best)
+
+
+def test_budget_allocation_is_the_lowest_error_point_within_the_budget():
+    a = budget_allocation(CURVES, 0.5)  # 15 of the dense 30
+    assert a.cost(CURVES) <= 15.0
+    fits = [p for p in lagrangian_path(CURVES) if p.cost(CURVES) <= 15.0]
+    assert a.choices == fits[-1].choices
+    assert budget_allocation(CURVES, 0.1) is None  # the cheapest point costs 12/30
+
+
+def test_search_target_finds_the_cheapest_point_that_meets_the_target():
+    path = [Allocation([0]), Allocation([1]), Allocation([2]), Allocation([3]), Allocation([4]), Allocation([DENSE])]
+    kl = {0: 0.5, 1: 0.2, 2: 0.04, 3: 0.01, 4: 0.001}
+    calls = []
+
+    def measure(a):
+        calls.append(a.choices[0])
+        return kl[a.choices[0]]
+
+    found = search_target(path, measure, 0.05)
+    assert found.chosen == 2 and found.measured[2] == 0.04
+    assert DENSE not in calls and len(calls) <= 4  # never measures all-dense; bisection, not a sweep
+    missed = search_target(path, measure, 1e-4)
+    assert missed.chosen is None and missed.best == 4  # the densest sparse point is the best reachable
+    assert search_target(path, measure, 1.0).chosen == 0
+
+
+@pytest.mark.parametrize("kind,value", [("target_kl", 0.0), ("target_kl", -1e-3), ("max_output_error", math.nan),
+                                        ("latency_budget", 1.5), ("latency_budget", 0.0), ("loss", 0.1)])
+def test_bad_targets_are_refused_with_the_value(kind, value):
+    with pytest.raises(ValueError, match=str(value) if kind != "loss" else "target kind"):
+        check_target(kind, value)
