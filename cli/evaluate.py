@@ -34,10 +34,10 @@ def evaluate(
     from sparsesearch.models import load_model
 
     # Everything the arguments, the artifact and the model's config can tell, before the weights load.
-    check_options(samples=samples, tokens=tokens, min_tokens=min_tokens)
-    check.data("--data", data, tokens=tokens, held_out=True)
     resolved = check.model_info(model, dtype=dtype, device=device)
     check.tokens_fit("--tokens", tokens, resolved)
+    check_options(samples=samples, tokens=tokens, min_tokens=min_tokens)
+    check.data("--data", data, tokens=tokens, held_out=True)
     art = load_artifact(artifact, model_info=resolved)
     with err_console.status("loading model"):
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
