@@ -31,19 +31,15 @@ import torch
 class Generation:
     """One greedy generation after a prompt of ``tokens`` tokens.
 
-    logprobs: fp32 [V], log-softmax at the first generated position (the answer's first token);
     new_ids: int64 [T], the generated tokens; correct: the retrieval answer came out (None: the sample
-    has none); audit: per layer, the prefill's relative attention-output error against dense (audit runs).
-    """
+    has none)."""
 
     tokens: int
-    logprobs: torch.Tensor
     new_ids: torch.Tensor
     correct: bool | None
-    audit: dict[int, float] = field(default_factory=dict)
 
 
-def generate(model, tokenizer, sample, artifact=None, *, min_tokens: int = 1024, audit: bool = False) -> Generation:
+def generate(model, tokenizer, sample, artifact=None, *, min_tokens: int = 1024) -> Generation:
     """Greedy generation of one prompt: the answer's tokens + 2 new tokens (4 without an answer).
 
     artifact: an object with ``manifest`` and ``heads`` (runtime.apply), or None for the model's own
@@ -54,45 +50,26 @@ def generate(model, tokenizer, sample, artifact=None, *, min_tokens: int = 1024,
     ids = sample.input_ids[None].to(device)
     new = int(sample.answer_ids.numel()) + 2 if sample.answer_ids is not None else 4
     pad = getattr(tokenizer, "tokenizer", tokenizer).eos_token_id  # a VLM's processor holds its tokenizer
-    kwargs = dict(max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                  pad_token_id=pad, attention_mask=torch.ones_like(ids), **{k: v.to(device) for k, v in sample.inputs.items()})
+    kwargs = dict(max_new_tokens=new, do_sample=False, return_dict_in_generate=True, pad_token_id=pad,
+                  attention_mask=torch.ones_like(ids), **{k: v.to(device) for k, v in sample.inputs.items()})
     with torch.no_grad():
-        if artifact is None:
-            out, errors = model.generate(ids, **kwargs), {}
-        else:
-            out, errors = _sparse_generate(model, artifact, sample.modality.to(device), ids, kwargs, min_tokens, audit)
+        out = model.generate(ids, **kwargs) if artifact is None else _sparse_generate(model, artifact, sample.modality.to(device), ids, kwargs, min_tokens)
     new_ids = out.sequences[0, ids.shape[1]:]
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     correct = retrieval_correct(text, sample) if sample.answer is not None else None
-    return Generation(int(ids.shape[1]), torch.log_softmax(out.logits[0][0].float(), -1), new_ids, correct, errors)
+    return Generation(int(ids.shape[1]), new_ids, correct)
 
 
-def _sparse_generate(model, artifact, modality, ids, kwargs: dict, min_tokens: int, audit: bool):
-    """model.generate with the artifact applied; returns (output, {layer: prefill audit error})."""
-    from .runtime import apply, remove, runner_of, set_modality
+def _sparse_generate(model, artifact, modality, ids, kwargs: dict, min_tokens: int):
+    """model.generate with the artifact applied (the prefill runs sparse; decode steps run dense)."""
+    from .runtime import apply, remove, set_modality
 
     apply(model, artifact, min_tokens=min_tokens)
     try:
-        runner = runner_of(model)
-        runner.audit = {} if audit else None
-        # Boundary heads run their region patterns on this prompt's own modality ids.
-        set_modality(model, modality)
-        out = model.generate(ids, **kwargs)
-        # The first call of each layer is the prefill; decode steps run dense.
-        return out, {layer: errs[0] for layer, errs in (runner.audit or {}).items()}
+        set_modality(model, modality)  # boundary heads run their region patterns on this prompt's modality ids
+        return model.generate(ids, **kwargs)
     finally:
         remove(model)
-
-
-def generations(model, tokenizer, samples: list, artifact=None, *, min_tokens: int = 1024, audit: bool = False) -> list[Generation]:
-    """``generate`` for every sample, in order."""
-    return [generate(model, tokenizer, s, artifact, min_tokens=min_tokens, audit=audit) for s in samples]
-
-
-def next_token_kl(reference: Generation, candidate: Generation) -> float:
-    """KL(reference || candidate) of the next-token distributions at the answer position."""
-    p, q = reference.logprobs, candidate.logprobs
-    return float((p.exp() * (p - q)).sum())
 
 
 def greedy_agreement(reference: Generation, candidate: Generation) -> float:
@@ -105,11 +82,6 @@ def greedy_agreement(reference: Generation, candidate: Generation) -> float:
 def accuracy(gens: list[Generation]) -> float:
     """Share of generations whose retrieval answer came out (samples without an answer count as wrong)."""
     return sum(g.correct is True for g in gens) / len(gens)
-
-
-def mean_kl(reference: list[Generation], candidate: list[Generation]) -> float:
-    return sum(next_token_kl(r, c) for r, c in zip(reference, candidate)) / len(reference)
-
 
 
 RETRIEVAL_MIN_SHARE = 0.5  # the reference must retrieve at least half of the prompts ...
