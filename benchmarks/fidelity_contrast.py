@@ -4,6 +4,10 @@
         --candidate artifact:artifacts/reference/smollm2-135m-4k --candidate triangle:0 --candidate ashape:64:512
     python -m benchmarks.fidelity_contrast --model gemma3-270m --data synthetic:passkey --samples 20 --tokens 4096 \
         --candidate triangle:first --candidate ashape:64:512
+    # on a GPU (gguf wheel carried), retrieval at 4K, 8K and 16K, 20 spread depths each:
+    for n in 4096 8192 16384; do for d in synthetic:passkey synthetic:kv-retrieval; do
+      python -m benchmarks.fidelity_contrast --model gemma3-270m --data $d --samples 20 --tokens $n \
+        --candidate triangle:first --candidate ashape:64:512 --out benchmarks/results/fidelity_gemma3_h200.jsonl; done; done
 
 The model loads once and the dense reference runs once (sparsesearch/fidelity.py: attend); each candidate
 is compared with it (fidelity.compare: teacher-forced KL and perplexity over every position, next-token
