@@ -143,13 +143,11 @@ def _render(result, summary, density) -> None:
         held = fid.get(str(layer))
         table.add_row(str(layer), mix, kinds, f"{dens:.1%}", "-" if err is None else f"{err:.3f}", "-" if held is None else f"{held:.3f}")
     out_console.print(table)
-    f = result.fidelity
-    if f:
-        out_console.print(
-            f"held-out {f['eval_data']} ({f['samples']} sample(s), {f['tokens']} tokens): next-token KL {f['next_token_kl']:.4f}, "
-            f"greedy agreement {f['greedy_agreement']:.0%}, "
-            f"retrieval dense {f['dense_accuracy']:.0%} vs sparse {f['sparse_accuracy']:.0%}, mean density {f['mean_density']:.1%}"
-        )
+    if result.fidelity:
+        from sparsesearch.fidelity import describe
+
+        for line in describe(result.fidelity):
+            out_console.print(f"held-out {line}" if line.startswith(result.fidelity["eval_data"]) else line)
     if summary["target"]:
         _render_target(summary["target"], summary["dense_cutoff"])
     elif summary["dense_cutoff"]:

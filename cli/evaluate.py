@@ -14,7 +14,7 @@ from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console,
 def evaluate(
     artifact: ArtifactArg,
     model: Annotated[str, typer.Option(help="The model the artifact was made for (alias, directory, hub id, .gguf).")] = "smollm2-135m",
-    data: Annotated[str, typer.Option(help="Held-out prompts: synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "synthetic:passkey",
+    data: Annotated[str, typer.Option(help="Held-out data: text:shakespeare (held-out plays) or a .txt/.md file (its second half), synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "synthetic:passkey",
     samples: Annotated[int, typer.Option(help="Prompts.")] = 5,
     tokens: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
     seed: Annotated[int, typer.Option(help="Seed of the held-out prompts.")] = 0,
@@ -23,23 +23,21 @@ def evaluate(
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Retrieval accuracy, next-token KL, greedy agreement and per-layer attention error, sparse vs dense.
+    """Teacher-forced KL and perplexity over every position, retrieval counts (or why they say nothing),
+    next-token KL, greedy agreement and per-layer attention error, sparse vs dense.
 
-    Example: sparsesearch evaluate artifacts/smollm2-135m --data synthetic:passkey --samples 10 --tokens 2048
+    Example: sparsesearch evaluate artifacts/smollm2-135m --data text:shakespeare --samples 4 --tokens 4096
     """
     from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact
-    from sparsesearch.fidelity import evaluate_fidelity
+    from sparsesearch.fidelity import check_options, describe, evaluate_fidelity
     from sparsesearch.models import load_model
 
     # Everything the arguments, the artifact and the model's config can tell, before the weights load.
-    if samples < 1:
-        raise ValueError(f"--samples must be >= 1, got {samples}")
-    if min_tokens < 1:
-        raise ValueError(f"--min-tokens must be >= 1, got {min_tokens}")
-    check.data("--data", data)
     resolved = check.model_info(model, dtype=dtype, device=device)
     check.tokens_fit("--tokens", tokens, resolved)
+    check_options(samples=samples, tokens=tokens, min_tokens=min_tokens)
+    check.data("--data", data, tokens=tokens, held_out=True)
     art = load_artifact(artifact, model_info=resolved)
     with err_console.status("loading model"):
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
@@ -49,11 +47,8 @@ def evaluate(
     if json_out:
         print_json(result)
         return
-    out_console.print(
-        f"{data}, {samples} prompt(s) of {result['tokens']} tokens: retrieval dense {result['dense_accuracy']:.0%} vs sparse "
-        f"{result['sparse_accuracy']:.0%} · next-token KL {result['next_token_kl']:.4f} · greedy agreement {result['greedy_agreement']:.0%} · "
-        f"mean density {result['mean_density']:.1%}"
-    )
+    for line in describe(result):
+        out_console.print(line)
     errs = result["layer_output_error"]
     if errs:
         worst = max(errs, key=errs.get)

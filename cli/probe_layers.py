@@ -81,9 +81,13 @@ def probe_layers(
     out_console.print(table)
     if outcome.validation:
         vt = Table(title=f"validation (triangle sink 8 / window 512 / last 128): smallest good start = {outcome.validated_start}")
-        for col in ("start layer", "accuracy", "next-token KL"):
+        for col in ("start layer", "accuracy", "next-token KL", "teacher-forced KL"):
             vt.add_column(col, justify="right")
         for row in outcome.validation:
-            vt.add_row("dense" if row["start_layer"] is None else str(row["start_layer"]), f"{row['accuracy']:.0%}", f"{row['kl']:.4f}")
+            vt.add_row("dense" if row["start_layer"] is None else str(row["start_layer"]), f"{row['accuracy']:.0%}", f"{row['kl']:.4f}",
+                       f"{row['kl_mean']:.4f}")
+        verdicts = {row["verdict"] for row in outcome.validation if row.get("verdict", "informative") != "informative"}
+        if verdicts:  # the reference itself does not retrieve: the accuracy column cannot tell starts apart
+            vt.caption = f"retrieval {verdicts.pop()}; the start rests on KL alone"
         out_console.print(vt)
     out_console.print(f"{outcome.seconds:.0f} s · plot: {summary['plot']}")

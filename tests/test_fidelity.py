@@ -6,30 +6,23 @@ import pytest
 import torch
 
 from sparsesearch import fidelity
-from sparsesearch.fidelity import Generation, accuracy, evaluate_fidelity, greedy_agreement, mean_kl, next_token_kl
+from sparsesearch.fidelity import Generation, accuracy, evaluate_fidelity, greedy_agreement
 from tiny_model import make_tiny_model
 
 
-def _gen(logits, new_ids, correct=None) -> Generation:
-    return Generation(10, torch.log_softmax(torch.tensor(logits, dtype=torch.float32), -1), torch.tensor(new_ids), correct)
-
-
-def test_next_token_kl_is_zero_against_itself_and_positive_otherwise():
-    a, b = _gen([1.0, 2.0, 3.0], [1]), _gen([3.0, 2.0, 1.0], [1])
-    assert next_token_kl(a, a) == 0.0
-    assert next_token_kl(a, b) > 0.0
-    assert mean_kl([a, a], [a, b]) == pytest.approx(next_token_kl(a, b) / 2)
+def _gen(new_ids, correct=None) -> Generation:
+    return Generation(10, torch.tensor(new_ids), correct)
 
 
 def test_greedy_agreement_counts_positions_before_the_first_departure():
-    ref = _gen([0.0], [5, 6, 7, 8])
-    assert greedy_agreement(ref, _gen([0.0], [5, 6, 7, 8])) == 1.0
-    assert greedy_agreement(ref, _gen([0.0], [5, 6, 0, 8])) == 0.5
-    assert greedy_agreement(ref, _gen([0.0], [0, 6, 7, 8])) == 0.0
+    ref = _gen([5, 6, 7, 8])
+    assert greedy_agreement(ref, _gen([5, 6, 7, 8])) == 1.0
+    assert greedy_agreement(ref, _gen([5, 6, 0, 8])) == 0.5
+    assert greedy_agreement(ref, _gen([0, 6, 7, 8])) == 0.0
 
 
 def test_accuracy_counts_found_answers_only():
-    assert accuracy([_gen([0.0], [1], True), _gen([0.0], [1], False), _gen([0.0], [1], None), _gen([0.0], [1], True)]) == 0.5
+    assert accuracy([_gen([1], True), _gen([1], False), _gen([1], None), _gen([1], True)]) == 0.5
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +63,117 @@ def test_validate_runs_the_reference_once(tiny, monkeypatch, tmp_path):
     assert [r["start_layer"] for r in rows] == [None, 0, 1] and rows[0]["kl"] == 0.0
     assert calls.count(None) == 2, "the model's own attention runs once per prompt"
     assert len(calls) == 2 * 3
+
+
+# --------------------------------------------------------------------------------------------- teacher forcing
+
+
+def _ashape_artifact(info, sink: int = 16, local: int = 32):
+    """A-shape (sink + local, 64-blocks) in every KV head of every layer: sparse enough at 300 tokens to differ."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from sparsesearch.artifacts.columns import ALL_MODALITIES, row_from_params
+    from sparsesearch.artifacts.manifest import new_manifest
+    from sparsesearch.patterns.ashape import AShapeParams
+
+    rows = [{"layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES, "boundary": "none",
+             "pattern": "ashape", **row_from_params(AShapeParams(sink=sink, local=local)), "block_m": 64, "block_n": 64,
+             "density": None, "recall": None, "output_error": None, "latency_ms": None, "score": None}
+            for layer in range(info.num_layers) for head in range(info.num_kv_heads)]
+    return SimpleNamespace(manifest=new_manifest(info, head_index_space="kv", provenance={"kind": "manual"}), heads=pd.DataFrame(rows)), rows
+
+
+def test_chunked_position_scores_match_full_logits(tiny, monkeypatch):
+    """Oracle: KL and NLL from the model's own [N, vocab] logits; the chunked lm head (several chunks, the
+    last one partial) and the hidden states taken at the head must give the same numbers."""
+    from sparsesearch.data import held_out
+
+    model, tok, info = tiny
+    sample = held_out("synthetic:passkey", tok, max_tokens=300, seed=1)
+    artifact, _ = _ashape_artifact(info)
+    monkeypatch.setattr(fidelity, "LOGIT_CHUNK_ELEMENTS", 70 * model.config.vocab_size)  # 70 positions per chunk
+    dense, _ = fidelity.final_hidden(model, sample)
+    sparse, audit = fidelity.final_hidden(model, sample, artifact, min_tokens=64, audit=True)
+    ids = fidelity.sequence_ids(sample)
+    kl, nll_dense, nll_sparse = fidelity.position_scores(model, ids, dense, sparse)
+
+    from sparsesearch.runtime import apply, remove
+
+    with torch.no_grad():
+        p = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+        apply(model, artifact, min_tokens=64)
+        try:
+            q = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
+        finally:
+            remove(model)
+    assert kl.shape == (ids.numel(),) and nll_dense.shape == (ids.numel() - 1,)
+    torch.testing.assert_close(kl, (p.exp() * (p - q)).sum(-1).clamp_min(0), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(nll_dense, torch.nn.functional.cross_entropy(p[:-1], ids[1:], reduction="none"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nll_sparse, torch.nn.functional.cross_entropy(q[:-1], ids[1:], reduction="none"), atol=1e-5, rtol=1e-5)
+    assert float(kl[:48].max()) < 1e-5 < float(kl[64:].mean())  # rows inside sink + local see every key
+    assert sorted(audit) == list(range(info.num_layers))
+
+
+def test_teacher_forced_report_on_natural_text(tiny, tmp_path):
+    """A sparse artifact on a held-out .txt half: KL > 0 everywhere it can be, the tail counted from
+    min_tokens, perplexities that differ, no retrieval block (no answers), and 'can fail' holds."""
+    from sparsesearch.data.natural import text_part
+
+    model, tok, info = tiny
+    path = tmp_path / "story.txt"
+    path.write_text("".join(f"Line {i}: the river runs past the mill and the miller counts sacks of grain.\n" for i in range(200)))
+    _, rows = _ashape_artifact(info)
+    from sparsesearch.artifacts.manifest import new_manifest
+
+    manifest = new_manifest(info, head_index_space="kv", provenance={"kind": "manual"})
+    result = evaluate_fidelity(model, tok, manifest, rows, data=str(path), samples=2, tokens=300, min_tokens=128)
+    tf = result["teacher_forced"]
+    assert result["tokens"] == 300 and tf["tokens"] == 600 and tf["tail_from"] == 128 and tf["tail_tokens"] == 2 * (300 - 128)
+    assert tf["sparse_ran"] and tf["kl_mean"] > 0 and tf["kl_tail_mean"] > tf["kl_mean"]
+    assert tf["ppl_dense"] != tf["ppl_sparse"] and tf["ppl_dense"] > 1
+    assert result["retrieval"] is None and result["dense_accuracy"] is None and result["greedy_agreement"] is None
+    assert result["next_token_kl"] == tf["next_token_kl"]
+    assert text_part(str(path), held_out=True).documents[0][1].startswith("Line 100:")
+    lines = fidelity.describe(result)
+    assert "teacher-forced over 600 positions" in lines[1] and "positions >= 128" in lines[1]
+
+
+def _gens(correct: list[bool]) -> list[Generation]:
+    return [_gen([1], c) for c in correct]
+
+
+def test_retrieval_verdict_needs_a_reference_that_retrieves():
+    none = fidelity.retrieval(_gens([False] * 5), _gens([False] * 5))
+    assert none["verdict"] == "uninformative: dense retrieves 0/5" and (none["dense_correct"], none["sparse_correct"]) == (0, 0)
+    few = fidelity.retrieval(_gens([True, True, False, False, False]), _gens([True] * 5))
+    assert few["verdict"] == "uninformative: dense retrieves 2/5"  # below half
+    one = fidelity.retrieval(_gens([True]), _gens([False]))
+    assert one["verdict"] == "uninformative: dense retrieves 1/1"  # fewer than RETRIEVAL_MIN_CORRECT
+    ok = fidelity.retrieval(_gens([True, True, True, False]), _gens([True, False, False, False]), [0.125, 0.375, 0.625, 0.875])
+    assert ok["verdict"] == "informative" and (ok["dense_correct"], ok["sparse_correct"], ok["n"]) == (3, 1, 4)
+    assert fidelity.retrieval([], []) is None
+    line = fidelity.describe({"eval_data": "synthetic:passkey", "samples": 5, "tokens": 4096, "next_token_kl": 0.01,
+                              "greedy_agreement": 1.0, "mean_density": 0.2, "retrieval": none})[-1]
+    assert line == "retrieval: uninformative: dense retrieves 0/5 (sparse 0/5)" and "%" not in line
+
+
+def test_retrieval_depths_are_spread(tiny):
+    model, tok, info = tiny
+    prompts, depths = fidelity.held_out_samples("synthetic:passkey", tok, samples=4, tokens=300)
+    assert depths == [0.125, 0.375, 0.625, 0.875]
+    assert [p.meta["depth"] for p in prompts] == depths
+    needles = [p.meta["needle_token_index"] for p in prompts]
+    assert needles == sorted(needles) and len(set(needles)) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(samples=0, tokens=4096, min_tokens=1024), "--samples must be >= 1, got 0"),
+    (dict(samples=2, tokens=4096, min_tokens=0), "--min-tokens must be >= 1, got 0"),
+    (dict(samples=2, tokens=2048, min_tokens=4096), "--min-tokens 4096 > --tokens 2048: every prompt would run dense"),
+])
+def test_check_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fidelity.check_options(**kwargs)
+    fidelity.check_options(samples=1, tokens=4096, min_tokens=4096)

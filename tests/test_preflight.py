@@ -74,5 +74,18 @@ def test_evaluate_refuses_before_loading(tiny_model, tmp_path):
     art = make_artifact(tmp_path / "tiny-art")  # made for TINY (2 layers, 4/2 heads), not for the 3-layer tiny model
     refused(["evaluate", art, "--model", tiny_model, "--tokens", "9000"], "--tokens 9000 exceeds the context")
     refused(["evaluate", art, "--model", tiny_model, "--tokens", "10"], "--tokens must be >= 64")
-    refused(["evaluate", art, "--model", tiny_model, "--tokens", "512"], "layers")
+    refused(["evaluate", art, "--model", tiny_model, "--tokens", "512", "--min-tokens", "256"], "layers")
     assert TINY.num_layers == 2
+
+
+def test_short_text_and_dead_min_tokens_are_refused_before_loading(tiny_model, tmp_path):
+    art = make_artifact(tmp_path / "tiny-art")
+    note = tmp_path / "note.txt"
+    note.write_text("Too short.\n" * 40)
+    refused(["evaluate", art, "--model", tiny_model, "--data", note, "--tokens", "2048"],
+            f"--data: {note}: its held-out text has at most 228 tokens, fewer than the 2048 asked for")
+    refused(["evaluate", art, "--model", tiny_model, "--data", "text:poems"], "--data: unknown text set 'text:poems'")
+    refused(["evaluate", art, "--model", tiny_model, "--tokens", "1024", "--min-tokens", "2048"], "--min-tokens 2048 > --tokens 1024")
+    refused(["calibrate", "--model", tiny_model, "--data", note, "--max-tokens", "1024", "--out", tmp_path / "a"],
+            "its calibration text has at most 228 tokens, fewer than the 1024 asked for")
+    assert not (tmp_path / "a").exists()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ._text import as_tokenizer
 from .files import MIN_TOKENS, open_rows, seeded_order, usable_samples
+from .natural import check_text, is_text_spec, text_samples
 from .sample import Sample
 from .synthetic import GENERATORS
 from .visual import is_processor
@@ -21,12 +22,19 @@ def _check(max_tokens: int, samples: int = 1) -> None:
         raise ValueError(f"samples must be >= 1, got {samples}")
 
 
-def _generate(spec: str, tok, *, max_tokens: int, seed: int, chat: bool, frame_tokens, edit_rate) -> Sample:
+def _generate(spec: str, tok, *, max_tokens: int, seed: int, chat: bool, frame_tokens, edit_rate, depth=None) -> Sample:
     check_spec(spec)
     generator = GENERATORS[spec]
     if spec in _CHAT_SETS:
-        return generator(tok, max_tokens=max_tokens, seed=seed, chat=chat)
+        return generator(tok, max_tokens=max_tokens, seed=seed, chat=chat, depth=depth)
+    if depth is not None:
+        raise ValueError(f"depth applies to retrieval sets ({', '.join(_CHAT_SETS)}), not {spec}")
     return generator(tok, max_tokens=max_tokens, seed=seed, frame_tokens=frame_tokens, edit_rate=edit_rate)
+
+
+def is_retrieval_spec(spec: str) -> bool:
+    """Whether ``spec`` is a retrieval set (its samples carry an answer and take a needle depth)."""
+    return spec in _CHAT_SETS
 
 
 def _resolve_path(spec: str) -> Path:
@@ -36,10 +44,15 @@ def _resolve_path(spec: str) -> Path:
     return path.resolve()
 
 
-def check_spec(spec: str) -> None:
-    """Refuse a data spec before any model is loaded: an unknown synthetic set, a missing path, or a file
-    that cannot be decoded or has no prompt column (ValueError naming it). Files are opened and their
-    rows read, which is what loading does first anyway; tokenizing waits for the tokenizer."""
+def check_spec(spec: str, *, tokens: int | None = None, held_out: bool = False) -> None:
+    """Refuse a data spec before any model is loaded: an unknown synthetic or text set, a missing path, or
+    a file that cannot be decoded or has no prompt column (ValueError naming it). Files are opened and their
+    rows read, which is what loading does first anyway; tokenizing waits for the tokenizer. Natural text
+    (``text:shakespeare``, .txt/.md) whose calibration (or ``held_out``) part cannot hold ``tokens``
+    tokens is refused here too (data/natural.py)."""
+    if is_text_spec(spec):
+        check_text(spec, tokens=tokens, held_out=held_out)
+        return
     if spec.startswith("synthetic:"):
         if spec not in GENERATORS:
             raise ValueError(f"unknown synthetic set '{spec}'; choose from {', '.join(GENERATORS)}")
@@ -79,6 +92,8 @@ def load_calibration(
     """
     _check(max_tokens, samples)
     tok = as_tokenizer(tokenizer)
+    if is_text_spec(spec):
+        return text_samples(spec, tok, max_tokens=max_tokens, seeds=[seed + i for i in range(samples)], held_out=False)
     if spec.startswith("synthetic:"):
         options = dict(chat=chat, frame_tokens=frame_tokens, edit_rate=edit_rate)
         return [_generate(spec, tok, max_tokens=max_tokens, seed=seed + i, **options) for i in range(samples)]
@@ -107,20 +122,28 @@ def held_out(
     chat: bool = True,
     frame_tokens: int | None = None,
     edit_rate: float = 0.03,
+    depth: float | None = None,
 ) -> Sample:
     """One evaluation sample that ``load_calibration(spec, ..., seed=seed)`` does not return.
 
     Synthetic sets: generated with seed ``seed + HELD_OUT_OFFSET`` (10_000), disjoint from calibration
-    samples seed .. seed + samples - 1 while samples <= 10_000. Files: the *last* usable row of the same
-    seeded shuffle that calibration reads from the front, so it differs from every calibration row as long
-    as the file has more usable rows than calibration took.
+    samples seed .. seed + samples - 1 while samples <= 10_000; ``depth`` in [0, 1] (retrieval sets only)
+    places the needle / queried pair instead of the seed. Natural text: a window of the held-out part
+    (data/natural.py: the tragedies of text:shakespeare, the second half of a .txt/.md file), never the
+    calibration part. Files: the *last* usable row of the same seeded shuffle that calibration reads from
+    the front, so it differs from every calibration row as long as the file has more usable rows than
+    calibration took.
     """
     _check(max_tokens)
     tok = as_tokenizer(tokenizer)
+    if is_text_spec(spec):
+        sample = text_samples(spec, tok, max_tokens=max_tokens, seeds=[seed], held_out=True)[0]
+        sample.meta["held_out"] = True
+        return sample
     if spec.startswith("synthetic:"):
         sample = _generate(
             spec, tok, max_tokens=max_tokens, seed=seed + HELD_OUT_OFFSET, chat=chat,
-            frame_tokens=frame_tokens, edit_rate=edit_rate,
+            frame_tokens=frame_tokens, edit_rate=edit_rate, depth=depth,
         )
         sample.meta["held_out"] = True
         return sample

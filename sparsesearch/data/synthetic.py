@@ -43,6 +43,17 @@ from .sample import TEXT, VIDEO, Sample
 
 # --------------------------------------------------------------------------------------------- kv-retrieval
 
+
+def _depth(drawn: float, given: float | None) -> float:
+    """The needle's depth: ``given`` when set (checked to lie in [0, 1]), else the seeded draw. The draw
+    happens either way, so the rest of the sample (key, pairs) is the same for a seed at any depth."""
+    if given is None:
+        return drawn
+    if not 0.0 <= given <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {given}")
+    return float(given)
+
+
 # Wording of paper 002, App. A.1 ("Prompt for Attention Importance Probing").
 KV_HEAD = "Extract the value corresponding to the specified key in the data below.\n\nData:\n"
 KV_TAIL = (
@@ -56,11 +67,11 @@ def uuid4_from(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def kv_retrieval(tok, *, max_tokens: int, seed: int, chat: bool = True) -> Sample:
+def kv_retrieval(tok, *, max_tokens: int, seed: int, chat: bool = True, depth: float | None = None) -> Sample:
     """Paper 002 App. A.1 prompt with as many UUID pairs as fit in ``max_tokens``.
 
     The data is a JSON object, one ``"key": "value"`` pair per line. The queried pair sits at a seeded
-    fraction of the list. The gap left after the last whole pair (less than one pair, ~70 tokens on
+    fraction of the list, or at ``depth`` in [0, 1] when given (evaluation spreads depths over samples). The gap left after the last whole pair (less than one pair, ~70 tokens on
     SmolLM2) is padded with blank lines (" \\n", one token each on SmolLM2) after the JSON, so the length
     ends within a token or two of ``max_tokens``; at small max_tokens (a few pairs) that padding is a
     large share of the prompt. ``meta``: pairs, query_index, query_key, pad_lines, chat,
@@ -68,6 +79,7 @@ def kv_retrieval(tok, *, max_tokens: int, seed: int, chat: bool = True) -> Sampl
     """
     rng = random.Random(seed)
     where = rng.random()  # drawn first: the queried position does not depend on how many pairs fit
+    where = _depth(where, depth)
     pairs: list[tuple[str, str]] = []
     use_chat = chat and has_chat_template(tok)
 
@@ -109,6 +121,7 @@ def kv_retrieval(tok, *, max_tokens: int, seed: int, chat: bool = True) -> Sampl
             "seed": seed,
             "chat": use_chat,
             "pairs": n,
+            "depth": where,
             "query_index": query_index,
             "query_key": key,
             "pad_lines": pad,
@@ -136,8 +149,9 @@ PASSKEY_QUESTION = "What is the pass key?"
 PASSKEY_LEAD = "The pass key is"
 
 
-def passkey(tok, *, max_tokens: int, seed: int, chat: bool = True) -> Sample:
-    """Pass-key retrieval: intro, filler sentences (cycled) with the needle at a seeded depth, question.
+def passkey(tok, *, max_tokens: int, seed: int, chat: bool = True, depth: float | None = None) -> Sample:
+    """Pass-key retrieval: intro, filler sentences (cycled) with the needle at a seeded depth (or at
+    ``depth`` in [0, 1] when given: 0 right after the intro, 1 right before the question), question.
 
     Plain: ``intro filler… needle …filler\\nWhat is the pass key? The pass key is``; chat: the same up to
     the question as the user turn, then "The pass key is" opening the assistant turn. The 5-digit key and
@@ -146,7 +160,7 @@ def passkey(tok, *, max_tokens: int, seed: int, chat: bool = True) -> Sample:
     """
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
-    depth = rng.random()
+    depth = _depth(rng.random(), depth)
     needle = PASSKEY_NEEDLE.format(key=key)
     use_chat = chat and has_chat_template(tok)
 

@@ -146,22 +146,26 @@ def _triangle_manifest(info, start: int | None, base, extra: dict | None = None)
 
 
 def validate_starts(model, tokenizer, info, cfg: ProbeConfig, base) -> list[dict]:
-    """Sweep L_tri_start (every `validate_step` layers, plus 'none'): retrieval accuracy and next-token KL
-    of triangle attention (inference defaults) from layer L on, vs the artifact without it (the model's
-    own attention when there is no artifact), which runs once (sparsesearch/fidelity.py)."""
-    from ..data import held_out
-    from ..fidelity import accuracy, generations, mean_kl
+    """Sweep L_tri_start (every `validate_step` layers, plus 'none'): triangle attention (inference
+    defaults) from layer L on, vs the artifact without it (the model's own attention when there is no
+    artifact), which runs once; measured by the one fidelity path (sparsesearch/fidelity.py: attend +
+    compare). Per row: retrieval accuracy, ``kl`` (next-token KL after the prompt, what kl_tolerance
+    bounds), the teacher-forced mean KL over every position, and the reference's retrieval verdict."""
+    from ..data import is_retrieval_spec
+    from ..fidelity import accuracy, attend, compare, held_out_samples
 
-    heads = base.heads if base is not None else pd.DataFrame(columns=["layer"])
-    samples = [held_out(cfg.eval_data, tokenizer, max_tokens=cfg.settings.tokens, seed=cfg.settings.seed + 1000 + i) for i in range(cfg.eval_samples)]
-    if any(s.answer is None for s in samples):
+    if not is_retrieval_spec(cfg.eval_data):
         raise ValueError(f"--validate needs retrieval prompts with answers (synthetic:kv-retrieval or synthetic:passkey), got {cfg.eval_data!r}")
+    heads = base.heads if base is not None else pd.DataFrame(columns=["layer"])
+    samples, depths = held_out_samples(cfg.eval_data, tokenizer, samples=cfg.eval_samples, tokens=cfg.settings.tokens,
+                                       seed=cfg.settings.seed + 1000)
     artifact = lambda start: SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
-    reference = generations(model, tokenizer, samples, artifact(None) if base is not None else None, min_tokens=64)
-    rows = [{"start_layer": None, "accuracy": accuracy(reference), "kl": 0.0}]
+    reference = attend(model, tokenizer, samples, artifact(None) if base is not None else None, min_tokens=64)
+    rows = [{"start_layer": None, "accuracy": accuracy(reference.generations), "kl": 0.0, "kl_mean": 0.0}]
     for start in info.global_layers[:: cfg.validate_step]:  # triangle starts only on global layers (all layers of a uniform model)
-        tri = generations(model, tokenizer, samples, artifact(start), min_tokens=64)
-        rows.append({"start_layer": start, "accuracy": accuracy(tri), "kl": round(mean_kl(reference, tri), 6)})
+        report = compare(model, samples, reference, attend(model, tokenizer, samples, artifact(start), min_tokens=64), min_tokens=64, depths=depths)
+        rows.append({"start_layer": start, "accuracy": report["sparse_accuracy"], "kl": report["next_token_kl"],
+                     "kl_mean": report["teacher_forced"]["kl_mean"], "verdict": report["retrieval"]["verdict"]})
     return rows
 
 
