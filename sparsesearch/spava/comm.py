@@ -40,13 +40,18 @@ class Exchange:
 
     def __init__(self, world: int, rank: int, record: bool = False):
         self.world, self.rank, self.bytes_sent = world, rank, 0
+        self.sent_by: dict[str, int] = {}  # bytes by exchange name ("ring" for every ring step)
         self.received: dict[str, torch.Tensor] | None = {} if record else None
 
-    def _count_gather(self, t: torch.Tensor) -> None:
-        self.bytes_sent += t.numel() * t.element_size() * (self.world - 1)
+    def _count(self, name: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.sent_by[name] = self.sent_by.get(name, 0) + nbytes
+
+    def _count_gather(self, name: str, t: torch.Tensor) -> None:
+        self._count(name, t.numel() * t.element_size() * (self.world - 1))
 
     def _count_pass(self, kv: torch.Tensor) -> None:
-        self.bytes_sent += kv.numel() * kv.element_size()
+        self._count("ring", kv.numel() * kv.element_size())
 
     def _keep(self, name: str, t: torch.Tensor) -> None:
         if self.received is not None:
@@ -62,7 +67,7 @@ class Collectives(Exchange):
 
     def all_gather(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         """gather_async on this group: t [T, ...] -> ([W, T, ...], wait)."""
-        self._count_gather(t)
+        self._count_gather(name, t)
         got, work = gather_async(t, self.group)
         self._keep(name, got)  # filled once work is waited on; callers read it after the attention returns
         return got, work.wait
@@ -100,7 +105,7 @@ class Replay(Exchange):
         return self.arrivals[name]
 
     def all_gather(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, object]:
-        self._count_gather(t)
+        self._count_gather(name, t)
         return self._take(name), _no_wait
 
     def ring_pass(self, step: int, kv: torch.Tensor, recv_len: int) -> tuple[torch.Tensor, object]:
