@@ -26,12 +26,16 @@ def sweep_spava(
     timeout: TimeoutOpt = 300.0,
     out: Annotated[Path, typer.Option(help="Artifact directory written (spava.parquet + manifest), PNG beside it.")] = Path("artifacts/smollm2-135m-spava"),
     into: Annotated[Path | None, typer.Option(help="An existing artifact to add the spava section to (its other sections kept).")] = None,
+    rank_times: Annotated[Path | None, typer.Option(help="Rows of benchmarks/spava_rank.py --simulate-world: model latency at W = 2/4/8 from them at --bandwidth (nothing is launched).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Sweep l_a x l_p against exact: KL, perplexity, retrieval, bytes, measured and modelled latency.
 
     Example: sparsesearch sweep-spava --model smollm2-135m --nproc 2 --tokens 2048 --anchor 128,256 --passing 128,256
+    With measured rank times: sparsesearch sweep-spava --rank-times benchmarks/results/spava_rank_sim.jsonl --bandwidth 100
     """
+    if rank_times is not None:
+        return _model_rank_times(rank_times, bandwidth, json_out)
     from sparsesearch.spava.run import SpavaConfig
     from sparsesearch.spava.sweep import draw_sweep, write_sweep
 
@@ -55,3 +59,23 @@ def sweep_spava(
     for r in rec:
         err_console.print(f"{r['tokens']} tokens: recommended l_a={r['anchor']} l_p={r['passing']} (KL {r['kl']:.2e}{'' if r['qualified'] else ', none within tolerance'})")
     err_console.print(f"artifact: {path} · plot: {png}")
+
+
+def _model_rank_times(path: Path, bandwidth: float, json_out: bool) -> None:
+    """latency = max over ranks (measured compute + communication no compute hides), per configuration."""
+    from rich.table import Table
+
+    from sparsesearch.spava.sweep import load_rank_times, rank_time_model
+
+    rows = rank_time_model(load_rank_times(path), bandwidth)
+    if json_out:
+        print_json({"rank_times": str(path), "bandwidth_gbs": bandwidth, "rows": rows})
+        return
+    table = Table(title=f"modelled latency per layer from {path} at {bandwidth:g} GB/s")
+    for c in ("tokens", "W", "method", "l_a", "l_p", "compute ms", "comm ms", "exposed ms", "latency ms", "SDPA ms", "vs SDPA", "vs ring"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(str(r["tokens"]), str(r["W"]), r["method"], str(r["l_a"] or "-"), str(r["l_p"] or "-"), f"{r['compute_ms']:.3f}",
+                      f"{r['comm_ms']:.3f}", f"{r['exposed_ms']:.3f}", f"{r['latency_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
+                      f"{r['speedup_vs_sdpa']:.2f}x", "-" if r["speedup_vs_ring"] is None else f"{r['speedup_vs_ring']:.2f}x")
+    out_console.print(table)

@@ -133,13 +133,14 @@ def test_one_process_equals_oracle_and_dense(one_process_group):
 
 
 def test_two_processes_equal_oracle_and_dense():
-    spawn(_both_worker, 2, timeout_s=60)
+    """The attention checks, then the simulation against what each rank really received (one spawn)."""
+    spawn(_spawned_worker, 2, timeout_s=60)
 
 
 @pytest.mark.slow
 def test_one_and_four_spawned_processes():
     spawn(_both_worker, 1, timeout_s=60)
-    spawn(_both_worker, 4, timeout_s=90)
+    spawn(_spawned_worker, 4, timeout_s=90)
 
 
 def _dying_worker(rank, world):
@@ -159,3 +160,126 @@ def test_killed_rank_ends_run_with_one_line():
         spawn(_dying_worker, 2, timeout_s=20)
     assert "rank 1 died (exit code 3)" in str(info.value) and "\n" not in str(info.value)
     assert time.monotonic() - start < 50
+
+
+# ------------------------------------------------------------------ fused path, zigzag steps, simulation
+
+from conftest import DEVICE  # noqa: E402
+from sparsesearch.reference import error_floor  # noqa: E402
+from sparsesearch.spava.comm import Collectives  # noqa: E402
+from sparsesearch.spava.exact import position_mask, ring_attention, zigzag_positions, zigzag_step  # noqa: E402
+from sparsesearch.spava.fused import Engine  # noqa: E402
+from sparsesearch.spava.simulate import ring_world, spava_world  # noqa: E402
+
+FAST = Engine("triton", block=16)  # the kernel under TRITON_INTERPRET=1 on CPU; 16-blocks so pieces span several
+PLAIN = Engine("torch")
+
+
+def _within_kernel_tolerance(fast: torch.Tensor, plain: torch.Tensor, low: torch.Tensor, what: str) -> None:
+    """flash-attention's rule (STYLE habit 4): error vs the fp32 path <= 2x the low-precision path's + floor."""
+    budget = 2 * relative_error(low, plain) + error_floor(fast.dtype, fast.device)
+    err = relative_error(fast, plain)
+    assert err <= budget, f"{what}: fused {err:.2e} > budget {budget:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,kv,causal", [(37, 37, True), (21, 90, True), (19, 53, False), (1, 40, False)])
+def test_engine_pieces_match_plain(dtype, m, kv, causal):
+    g = torch.Generator().manual_seed(m + kv)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g).to(dtype).to(DEVICE) for h, n in ((8, m), (2, kv), (2, kv)))
+    out, lse = FAST.attend(q, k, v, 0.125, causal)
+    ref, ref_lse = PLAIN.attend(q, k, v, 0.125, causal)
+    low = Engine("torch")  # the same math in the inputs' precision: the yardstick
+    low_o = masked_attention(q, k, v, None if causal else (lambda rows: torch.ones(1, 1, rows.numel(), kv, dtype=torch.bool)),
+                             scale=0.125, upcast=False)[0]
+    assert low.kind == "torch" and out.dtype == dtype and lse.dtype == torch.float32
+    _within_kernel_tolerance(out, ref, low_o, f"{m}x{kv} causal={causal}")
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+    if causal and m == kv:  # the anchor-row shape: SDPA (flash on CUDA), no lse
+        sdpa, none = FAST.attend(q, k, v, 0.125, causal, need_lse=False)
+        assert none is None
+        _within_kernel_tolerance(sdpa, ref, low_o, "sdpa square causal")
+
+
+def test_engine_rules():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        Engine("flash")
+    with pytest.raises(ValueError, match="engine block must be"):
+        Engine("triton", block=100)
+    assert Engine("auto").resolve(torch.device("cpu")) == "torch"
+    q = torch.randn(1, 2, 5, 64)
+    o, lse = FAST.attend(q, q[:, :1, :0], q[:, :1, :0], 1.0, False)  # no keys: (0, -inf), no launch
+    assert (o == 0).all() and (lse == float("-inf")).all()
+
+
+@pytest.mark.parametrize("n,world", [(40, 1), (50, 2), (61, 3), (64, 4)])
+def test_zigzag_step_is_the_position_mask(n, world):
+    """Each ring step's (rows, key prefix, causal) admits exactly the keys the global positions admit."""
+    for rank in range(world):
+        qp = torch.tensor(zigzag_positions(n, world, rank))
+        for src in range(world):
+            kp = torch.tensor(zigzag_positions(n, world, src))
+            want = position_mask(qp, kp)(torch.arange(len(qp)))[0, 0]
+            row0, stop, causal = zigzag_step(n, world, rank, src)
+            got = torch.zeros_like(want)
+            rows, cols = torch.arange(len(qp) - row0)[:, None], torch.arange(stop)[None, :]
+            got[row0:, :stop] = (cols <= rows + stop - (len(qp) - row0)) if causal else True
+            assert torch.equal(got, want), (n, world, rank, src)
+
+
+def _global_qkv(n, dtype=torch.float32, seed=0, hq=4, hkv=2, dim=64):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, h, n, dim, generator=g).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_simulated_ranks_fast_path_equals_plain(world):
+    """Every simulated rank's SPAVA and ring output: the kernels equal the plain path to kernel tolerance,
+    the plain path equals the one-process oracle (SPAVA) and dense attention (ring)."""
+    lay = Layout(16 + 2 * world * 24 + 3, 13, world, 16, 16)
+    q, k, v = _global_qkv(lay.n, torch.bfloat16, seed=world)
+    oracle = spava_reference(q, k, v, lay, 0.125)
+    dense = masked_attention(q, k, v, scale=0.125)[0]
+    for fast, plain in zip(spava_world(q, k, v, lay, 0.125, FAST), spava_world(q, k, v, lay, 0.125, PLAIN)):
+        o_fast = spava_attention(fast.q, fast.k, fast.v, lay, fast.rank, 0.125, engine=FAST, exchange=fast.replay)
+        o_plain = spava_attention(plain.q, plain.k, plain.v, lay, plain.rank, 0.125, engine=PLAIN, exchange=plain.replay)
+        assert relative_error(o_plain, oracle[:, :, plain.pos]) < 1e-2  # bf16 output of an fp32 computation
+        _within_kernel_tolerance(o_fast, oracle[:, :, fast.pos], o_plain, f"spava rank {fast.rank}")
+    for r in ring_world(q, k, v, world):
+        o_fast = ring_attention(r.q, r.k, r.v, r.pos, lay.n, 0.125, engine=FAST, exchange=r.replay)
+        o_plain = ring_attention(r.q, r.k, r.v, r.pos, lay.n, 0.125, engine=PLAIN, exchange=r.replay)
+        assert relative_error(o_plain, dense[:, :, r.pos]) < 1e-2, f"ring rank {r.rank}: plain path is not exact"
+        _within_kernel_tolerance(o_fast, dense[:, :, r.pos], o_plain, f"ring rank {r.rank}")
+
+
+def _replay_worker(rank, world):
+    """A real gloo run records what arrives; the simulation must build the same tensors and outputs."""
+    lay = Layout(9 + 2 * world * 15, 6, world, 9, 7)
+    q, k, v = _qkv(lay, batch=1, dim=16, seed=5)
+    pos = torch.tensor(lay.local_positions(rank))
+    real = Collectives(record=True)
+    out = spava_attention(q[:, :, pos], k[:, :, pos], v[:, :, pos], lay, rank, 0.25, engine=PLAIN, exchange=real)
+    sim = spava_world(q, k, v, lay, 0.25, PLAIN)[rank]
+    for t_real, t_sim in ((q[:, :, pos], sim.q), (k[:, :, pos], sim.k), (v[:, :, pos], sim.v)):
+        assert torch.equal(t_real, t_sim), f"rank {rank}: local inputs differ"
+    assert sorted(real.received) == sorted(sim.replay.arrivals), f"rank {rank}: {sorted(real.received)}"
+    for name, got in real.received.items():
+        assert torch.equal(got, sim.replay.arrivals[name]), f"rank {rank}: {name} differs from the simulation"
+    replayed = spava_attention(sim.q, sim.k, sim.v, lay, rank, 0.25, engine=PLAIN, exchange=sim.replay)
+    assert torch.equal(out, replayed), f"rank {rank}: replayed output differs"
+    assert sim.replay.bytes_sent == real.bytes_sent > 0
+    n = lay.n
+    zz = torch.tensor(zigzag_positions(n, world, rank))
+    real = Collectives(record=True)
+    ring_out = ring_attention(q[:, :, zz], k[:, :, zz], v[:, :, zz], zz, n, 0.25, engine=PLAIN, exchange=real)
+    sim = ring_world(q, k, v, world)[rank]
+    assert sorted(real.received) == sorted(sim.replay.arrivals), f"rank {rank}: ring {sorted(real.received)}"
+    for name, got in real.received.items():
+        assert torch.equal(got, sim.replay.arrivals[name]), f"rank {rank}: ring {name} differs from the simulation"
+    assert torch.equal(ring_out, ring_attention(sim.q, sim.k, sim.v, sim.pos, n, 0.25, engine=PLAIN, exchange=sim.replay))
+    assert sim.replay.bytes_sent == real.bytes_sent > 0
+
+
+def _spawned_worker(rank, world):
+    _both_worker(rank, world)
+    _replay_worker(rank, world)

@@ -182,3 +182,83 @@ def test_sweep_composes_into_an_existing_artifact(tmp_path):
         assert after.manifest["methods"][kept] == before.manifest["methods"][kept]
     assert after.heads.equals(before.heads) and after.tables["layers.parquet"].equals(before.tables["layers.parquet"])
     assert list(after.tables["spava.parquet"]["passing"]) == [128, 256]
+
+
+# ------------------------------------------------------------------ --rank-times: the W = 2/4/8 latency model
+
+def _bench_rows(tmp_path):
+    """Rows from the real benchmark's --simulate-world mode at a CPU-sized shape (plain-torch engine)."""
+    from benchmarks.spava_rank import parse_args, simulate
+
+    args = parse_args(["--simulate-world", "2", "--tokens", "1024", "--query", "64", "--heads", "2", "--kv-heads", "1",
+                       "--dim", "64", "--reps", "1", "--anchor", "default", "--passing", "default"])
+    rows = simulate(args, [2])
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows, path
+
+
+def test_rank_times_model_from_benchmark_rows(tmp_path):
+    from sparsesearch.spava.sweep import load_rank_times, rank_time_model
+
+    rows, path = _bench_rows(tmp_path)
+    assert {(r["method"], r["rank"]) for r in rows} == {(m, r) for m in ("spava", "zigzag-ring") for r in (0, 1)}
+    spava = [r for r in rows if r["method"] == "spava"]
+    assert all(0 < r["bytes_passing"] < r["bytes_sent"] and 0 < r["overlap_ms"] for r in spava)
+    model = rank_time_model(load_rank_times(path), bandwidth_gbs=100.0)
+    assert [m["method"] for m in model] == ["zigzag-ring", "spava"]
+    for m in model:
+        at = [r for r in rows if r["method"] == m["method"]]
+        assert m["compute_ms"] == max(r["ms"] for r in at) and m["latency_ms"] >= m["compute_ms"]
+    # A link so slow that nothing hides the traffic: latency grows by the exposed part.
+    slow = rank_time_model(load_rank_times(path), bandwidth_gbs=1e-6)
+    assert all(s["exposed_ms"] > 0 and s["latency_ms"] > f["latency_ms"] for s, f in zip(slow, model))
+    res = runner.invoke(app, ["sweep-spava", "--rank-times", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["rows"][1]["method"] == "spava"
+
+
+def test_exposed_communication_rules():
+    from sparsesearch.spava.sweep import exposed_ms
+
+    gb = 10**9  # at 1 GB/s, 1e9 bytes take 1000 ms
+    spava = {"method": "spava", "W": 4, "ms": 300.0, "overlap_ms": 100.0, "bytes_sent": 3 * gb, "bytes_passing": gb}
+    assert exposed_ms(spava, 1.0) == (3000.0, (1000 - 100) + (2000 - 200))
+    assert exposed_ms(spava, 1000.0) == (3.0, 0.0)  # a fast link: everything hidden
+    ring = {"method": "zigzag-ring", "W": 4, "ms": 400.0, "bytes_sent": 3 * gb}  # 3 hops of 1e9 bytes, 100 ms of work each
+    assert exposed_ms(ring, 1.0) == (3000.0, 3 * (1000 - 100))
+    assert exposed_ms({**ring, "W": 1, "bytes_sent": 0}, 1.0) == (0.0, 0.0)
+
+
+def _row(**kw):
+    base = {"tokens": 1024, "heads": 2, "kv_heads": 1, "dim": 64, "W": 2, "rank": 0, "method": "zigzag-ring", "ms": 1.0,
+            "bytes_sent": 10, "sdpa_ms": 1.0}
+    return json.dumps({**base, **kw})
+
+
+@pytest.mark.parametrize("lines,message", [
+    (["{not json"], "rows.jsonl:1: not JSON"),
+    ([_row(), _row(rank=1, ms="fast")], "rows.jsonl:2: field 'ms' must be float"),
+    ([_row(method="spava", l_a=128, l_p=128, bytes_passing=4)], "field 'overlap_ms' must be float"),
+    ([_row(method="star")], "method must be one of"),
+    ([_row(rank=3)], "0 <= rank < W"),
+    ([_row()], "has ranks [0], needs each of 0..1 once"),
+    ([_row(), _row(), _row(rank=1)], "has ranks [0, 0, 1]"),
+    ([], "no rows"),
+])
+def test_rank_times_malformed_file_exit_2_one_line(tmp_path, lines, message):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    res = runner.invoke(app, ["sweep-spava", "--rank-times", str(path)])
+    assert res.exit_code == 2, res.output
+    out = [line for line in res.output.splitlines() if line.strip()]
+    assert len(out) == 1 and message in out[0], res.output
+
+
+def test_rank_times_missing_file_and_bad_bandwidth(tmp_path):
+    res = runner.invoke(app, ["sweep-spava", "--rank-times", str(tmp_path / "none.jsonl")])
+    assert res.exit_code == 2 and "no such file" in res.output
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_row() + "\n" + _row(rank=1) + "\n")
+    res = runner.invoke(app, ["sweep-spava", "--rank-times", str(path), "--bandwidth", "0"])
+    assert res.exit_code == 2 and "bandwidth must be > 0" in res.output

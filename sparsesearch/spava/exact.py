@@ -18,13 +18,38 @@ import torch.distributed as dist
 
 from ..merge import merge_two
 from ..reference import masked_attention
+from .comm import Collectives, Exchange
+from .fused import Engine, as_engine
+
+
+def zigzag_chunks(n: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Global [start, stop) of the two chunks rank r holds: r and 2W-1-r of 2W balanced chunks."""
+    base, extra = divmod(n, 2 * world)
+    bound = lambda j: j * base + min(j, extra)
+    return (bound(rank), bound(rank + 1)), (bound(2 * world - 1 - rank), bound(2 * world - rank))
 
 
 def zigzag_positions(n: int, world: int, rank: int) -> list[int]:
     """Global positions rank r holds in the zigzag ring layout: chunks r and 2W-1-r of 2W balanced chunks."""
-    base, extra = divmod(n, 2 * world)
-    bounds = [j * base + min(j, extra) for j in range(2 * world + 1)]
-    return [*range(bounds[rank], bounds[rank + 1]), *range(bounds[2 * world - 1 - rank], bounds[2 * world - rank])]
+    (a0, a1), (b0, b1) = zigzag_chunks(n, world, rank)
+    return [*range(a0, a1), *range(b0, b1)]
+
+
+def zigzag_step(n: int, world: int, rank: int, src: int) -> tuple[int, int, bool]:
+    """Which of rank r's rows attend which of src's keys in one ring step: (row_start, key_stop, causal).
+
+    Rows [row_start:] attend keys [:key_stop] — causally (bottom-right, square) when src == rank, else every
+    one of them; rows before row_start attend nothing. From the chunk order alone: for src < r, chunk src
+    precedes both of r's chunks and chunk 2W-1-src follows both; for src > r, both of src's chunks lie
+    between r's two (ring-flash-attention's zigzag split).
+    """
+    (a0, a1), (b0, b1) = zigzag_chunks(n, world, rank)
+    (c0, c1), (d0, d1) = zigzag_chunks(n, world, src)
+    if src == rank:
+        return 0, (a1 - a0) + (b1 - b0), True
+    if src < rank:
+        return 0, c1 - c0, False
+    return a1 - a0, (c1 - c0) + (d1 - d0), False
 
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None):
@@ -40,33 +65,47 @@ def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None =
     return mask
 
 
+def _ring_step(q, kv, pos, n, world, rank, src, scale, window, engine: Engine):
+    """One step's partial: (rows, out, lse) — out [B, Hq, len(rows), D], lse fp32 over q's rows[rows]."""
+    d = kv.shape[-1] // 2
+    if window is not None:  # sliding layers: the plain path under the position mask (both sides' positions)
+        k_pos = torch.tensor(zigzag_positions(n, world, src), device=pos.device)
+        o, l = masked_attention(q, kv[..., :d], kv[..., d:], position_mask(pos, k_pos, window), scale=scale)
+        return slice(0, None), o, l
+    row0, stop, causal = zigzag_step(n, world, rank, src)
+    o, l = engine.attend(q[:, :, row0:], kv[:, :, :stop, :d], kv[:, :, :stop, d:], scale, causal)
+    return slice(row0, None), o, l
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n: int, scale: float,
-                   group=None, window: int | None = None, stats: dict | None = None) -> torch.Tensor:
+                   group=None, window: int | None = None, stats: dict | None = None,
+                   engine: Engine | str | None = None, exchange: Exchange | None = None) -> torch.Tensor:
     """Exact causal attention of this rank's tokens over the whole sequence, K/V passed round the ring.
 
     q [B, Hq, N_r, D], k/v [B, Hkv, N_r, D] at global positions pos long [N_r] (zigzag_positions of n).
-    Returns out [B, Hq, N_r, D] in q's dtype.
+    Returns out [B, Hq, N_r, D] in q's dtype. engine: how each step's piece runs (fused.Engine; None =
+    auto); sliding-window layers (window=) run on the plain path. exchange: comm.Collectives on `group`
+    by default, comm.Replay without a process group.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    exchange = Collectives(group) if exchange is None else exchange
+    engine = as_engine(engine)
+    world, rank = exchange.world, exchange.rank
+    sent_before = exchange.bytes_sent
     kv = torch.cat([k, v], dim=-1).contiguous()
-    d = k.shape[-1]
-    out = lse = None
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for step in range(world):
-        src = (rank - step) % world
+        src = (rank - step) % world  # the block held came from rank - step
         if step < world - 1:  # start the next hop before attending to this one
-            nxt = (rank - step - 1) % world
-            recv = kv.new_empty((*kv.shape[:2], len(zigzag_positions(n, world, nxt)), kv.shape[-1]))
-            ops = [dist.P2POp(dist.isend, kv, (rank + 1) % world, group), dist.P2POp(dist.irecv, recv, (rank - 1) % world, group)]
-            works = dist.batch_isend_irecv(ops)
-            if stats is not None:
-                stats["bytes_sent"] = stats.get("bytes_sent", 0) + kv.numel() * kv.element_size()
-        k_pos = torch.tensor(zigzag_positions(n, world, src), device=pos.device)  # the block held came from rank - step
-        o, l = masked_attention(q, kv[..., :d], kv[..., d:], position_mask(pos, k_pos, window), scale=scale)
-        out, lse = (o, l) if out is None else merge_two(out, lse, o, l)
+            nxt = len(zigzag_positions(n, world, (rank - step - 1) % world))
+            recv, wait = exchange.ring_pass(step, kv, nxt)
+        rows, o, l = _ring_step(q, kv, pos, n, world, rank, src, scale, window, engine)
+        out[:, :, rows], lse[:, :, rows] = merge_two(out[:, :, rows], lse[:, :, rows], o, l)
         if step < world - 1:
-            for w in works:
-                w.wait()
+            wait()
             kv = recv
+    if stats is not None:
+        stats["bytes_sent"] = stats.get("bytes_sent", 0) + exchange.bytes_sent - sent_before
     return out.to(q.dtype)
 
 

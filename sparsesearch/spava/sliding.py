@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import masked_attention
-from .attention import _gather_async
+from .comm import gather_async
 from .exact import position_mask
 from .layout import Layout
 
@@ -38,8 +38,8 @@ def _tails(k, v, layout: Layout, rank: int, window: int) -> tuple[torch.Tensor, 
 def sliding_attention(q, k, v, layout: Layout, rank: int, scale: float, window: int, group=None, stats: dict | None = None) -> torch.Tensor:
     """q [B, Hq, N_r, D], k/v [B, Hkv, N_r, D] over rank r's local tokens -> out [B, Hq, N_r, D], exact."""
     kv_tail, pos_tail = _tails(k, v, layout, rank, window)
-    got_kv, w1 = _gather_async(kv_tail.transpose(0, 2).contiguous(), group)  # [2·window, Hkv, B, 2D]: token-major
-    got_pos, w2 = _gather_async(pos_tail, group)
+    got_kv, w1 = gather_async(kv_tail.transpose(0, 2).contiguous(), group)  # [2·window, Hkv, B, 2D]: token-major
+    got_pos, w2 = gather_async(pos_tail, group)
     w1.wait()
     w2.wait()
     others = [s for s in range(layout.world) if s != rank]

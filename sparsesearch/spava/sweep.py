@@ -79,3 +79,105 @@ def draw_sweep(rows: list[dict], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return save_png(fig, path)
+
+
+# ------------------------------------------------------------- W = 2/4/8 latency from measured rank times
+
+RANK_FIELDS = {"tokens": int, "heads": int, "kv_heads": int, "dim": int, "W": int, "rank": int, "method": str,
+               "ms": float, "bytes_sent": int, "sdpa_ms": float}
+SPAVA_FIELDS = {"l_a": int, "l_p": int, "bytes_passing": int, "overlap_ms": float}
+METHODS = ("spava", "zigzag-ring")
+
+
+def _check_row(row, where: str) -> dict:
+    """One benchmark row (benchmarks/spava_rank.py --simulate-world), checked field by field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    fields = dict(RANK_FIELDS, **(SPAVA_FIELDS if row.get("method") == "spava" else {}))
+    for name, kind in fields.items():
+        value = row.get(name)
+        ok = isinstance(value, str) if kind is str else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or (kind is int and value != int(value)):
+            raise ValueError(f"{where}: field {name!r} must be {kind.__name__}, got {value!r}")
+    if row["method"] not in METHODS:
+        raise ValueError(f"{where}: method must be one of {METHODS}, got {row['method']!r}")
+    if row["ms"] <= 0 or row["sdpa_ms"] <= 0 or row["bytes_sent"] < 0 or not 0 <= row["rank"] < row["W"]:
+        raise ValueError(f"{where}: needs ms > 0, sdpa_ms > 0, bytes_sent >= 0 and 0 <= rank < W, got {row}")
+    return row
+
+
+def _config(row: dict) -> tuple:
+    return (row["tokens"], row["heads"], row["kv_heads"], row["dim"], row["W"], row["method"], row.get("l_a"), row.get("l_p"))
+
+
+def load_rank_times(path) -> list[dict]:
+    """Rows of benchmarks/spava_rank.py --simulate-world (JSON lines), checked: every configuration has each
+    of its W ranks exactly once (the slowest rank is the per-rank time, so none may be missing)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--rank-times {path}: no such file")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: not JSON ({exc.msg})") from None
+        rows.append(_check_row(row, f"{path}:{i}"))
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    ranks: dict[tuple, list[int]] = {}
+    for r in rows:
+        ranks.setdefault(_config(r), []).append(r["rank"])
+    for cfg, got in ranks.items():
+        if sorted(got) != list(range(cfg[4])):
+            raise ValueError(f"{path}: {cfg[5]} at {cfg[0]} tokens, W={cfg[4]}, l_a={cfg[6]}, l_p={cfg[7]} has ranks {sorted(got)}, needs each of 0..{cfg[4] - 1} once")
+    return rows
+
+
+def exposed_ms(row: dict, bandwidth_gbs: float) -> tuple[float, float]:
+    """(communication ms, the part no compute hides) of one rank's row at a link of bandwidth_gbs GB/s.
+
+    SPAVA: the passing all-gather hides behind the compute between sending the selections and needing the
+    peers' (query partial + anchor rows: the row's overlap_ms); the query partials' all-gather behind the
+    rest (the context rows). Ring: each of the W - 1 hops hides behind one step's attention, and the zigzag
+    layout gives every step the same work (ms / W).
+    """
+    per_ms = 1e3 / (bandwidth_gbs * 1e9)
+    comm = row["bytes_sent"] * per_ms
+    if row["method"] == "spava":
+        passing, partials = row["bytes_passing"] * per_ms, (row["bytes_sent"] - row["bytes_passing"]) * per_ms
+        hidden_by = row["overlap_ms"]
+        return comm, max(0.0, passing - hidden_by) + max(0.0, partials - max(0.0, row["ms"] - hidden_by))
+    hops = row["W"] - 1
+    if hops == 0:
+        return comm, 0.0
+    return comm, hops * max(0.0, comm / hops - row["ms"] / row["W"])
+
+
+def rank_time_model(rows: list[dict], bandwidth_gbs: float) -> list[dict]:
+    """Modelled latency per configuration: max over ranks of (measured compute + exposed communication).
+
+    rows: load_rank_times. Returns one dict per (shape, tokens, W, method, l_a, l_p) with compute_ms (the
+    slowest rank), comm_ms and exposed_ms (of the rank that sets the latency), latency_ms, sdpa_ms, and
+    the speed-ups over single-GPU SDPA and over the exact ring at the same W.
+    """
+    if bandwidth_gbs <= 0:
+        raise ValueError(f"bandwidth must be > 0 GB/s, got {bandwidth_gbs}")
+    out = []
+    for cfg in dict.fromkeys(_config(r) for r in rows):
+        at = [r for r in rows if _config(r) == cfg]
+        per_rank = [(r["ms"] + exposed_ms(r, bandwidth_gbs)[1], r) for r in at]
+        latency, worst = max(per_rank, key=lambda t: t[0])
+        comm, exposed = exposed_ms(worst, bandwidth_gbs)
+        out.append({"tokens": cfg[0], "heads": cfg[1], "kv_heads": cfg[2], "dim": cfg[3], "W": cfg[4], "method": cfg[5],
+                    "l_a": cfg[6], "l_p": cfg[7], "compute_ms": max(r["ms"] for r in at), "comm_ms": comm, "exposed_ms": exposed,
+                    "latency_ms": latency, "sdpa_ms": at[0]["sdpa_ms"], "bandwidth_gbs": bandwidth_gbs})
+    for row in out:
+        row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["latency_ms"]
+        ring = [r for r in out if r["method"] == "zigzag-ring" and _config(r)[:5] == _config(row)[:5]]
+        row["speedup_vs_ring"] = ring[0]["latency_ms"] / row["latency_ms"] if ring else None
+    return out

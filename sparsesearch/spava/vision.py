@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .attention import _gather_async
+from .comm import gather_async
 
 
 def frame_counts(frames: int, world: int) -> list[int]:
@@ -37,7 +37,7 @@ def frame_parallel_features(model, pixel_values: torch.Tensor, group=None) -> to
     mine = torch.stack(list(out.pooler_output))  # [F_r, T, hidden]
     padded = mine.new_zeros((counts[0], *mine.shape[1:]))  # counts[0] = ⌈F/W⌉, the largest share
     padded[: counts[rank]] = mine
-    got, work = _gather_async(padded, group)
+    got, work = gather_async(padded, group)
     work.wait()
     return torch.cat([got[h, : counts[h]] for h in range(world)])
 
