@@ -3,7 +3,7 @@
 The schema lives in ``sparsesearch/artifacts/manifest.v1.json`` (the one source of truth, shipped in the
 package); ``artifacts/schema/manifest.v1.json`` at the top of the repository is a byte-identical copy that a
 test keeps in sync. ``jsonschema`` is not a dependency, so ``validate`` implements the keywords the schema
-uses: type, const, enum, required, properties, additionalProperties (bool or schema), items, minimum,
+uses: type, const, enum, required, properties, additionalProperties (bool or schema), items, minimum, maximum,
 minLength, pattern and local ``$ref`` ("#/$defs/..."). Anything else in a schema is an error, so the
 schema cannot quietly use a keyword that is not checked.
 """
@@ -35,7 +35,7 @@ _TYPES = {
 _ANNOTATIONS = {"$schema", "$id", "$defs", "title", "description"}
 _KEYWORDS = {
     "type", "const", "enum", "required", "properties", "additionalProperties", "items", "minimum",
-    "minLength", "pattern", "$ref",
+    "maximum", "minLength", "pattern", "$ref",
 }
 
 
@@ -98,6 +98,8 @@ def _check(value, schema: dict, root: dict, where: str, path: str) -> None:
             raise ArtifactError(f"{where}: {name} does not match {schema['pattern']}: {_describe(value)}")
     if _TYPES["number"](value) and "minimum" in schema and value < schema["minimum"]:
         raise ArtifactError(f"{where}: {name} must be >= {schema['minimum']}, got {value}")
+    if _TYPES["number"](value) and "maximum" in schema and value > schema["maximum"]:
+        raise ArtifactError(f"{where}: {name} must be <= {schema['maximum']}, got {value}")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             _check(item, schema["items"], root, where, f"{path}[{i}]")
