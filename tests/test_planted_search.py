@@ -23,6 +23,9 @@ from sparsesearch.search.layer import KIND_ORDER, MAX_ERROR, Scored, choose, hea
 from sparsesearch.search.space import Candidate, load_space, parse_space
 
 STRIDES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # search/layer.py's candidate strides
+# Output error a recovered head may keep: the planted lines' blocks hold their mass, the rest of a
+# vertical-slash head's softmax (a few percent, spread) falls outside a 16 + 16 line budget.
+ERROR_BOUND = {"vertical_slash": 0.1}
 
 
 def space(slack: float = 0.5, candidates: list | None = None) -> object:
@@ -134,7 +137,7 @@ def _check_layer(n: int, seed: int) -> None:
         if head.kind == "dense":
             assert not row["admissible"] and f"> max_error {MAX_ERROR:g}" in row["reason"], row
             continue
-        assert row["admissible"] and row["reason"] is None and row["output_error"] < 0.06, row
+        assert row["admissible"] and row["reason"] is None and row["output_error"] < ERROR_BOUND.get(head.kind, 0.05), row
 
 
 def test_planted_layer_every_kind_is_recovered():

@@ -80,8 +80,8 @@ def region_budgets(q, k, v, pos: dict, present: list[str], space: SearchSpace, c
             continue
         costs_r = []
         for region in regions:
-            q_r, k_r, _ = region.gather(q, k, v)
-            costs_r.append(target_cost(q_r, k_r, space, head_space, scale, costs, region.row_pos))
+            q_r, k_r, v_r = region.gather(q, k, v)
+            costs_r.append(target_cost(q_r, k_r, v_r, space, head_space, scale, costs, region.row_pos))
         total = torch.stack(costs_r).sum(0).clamp_min(1e-30)
         budgets.update({r.name: whole * c / total for r, c in zip(regions, costs_r)})
     return budgets

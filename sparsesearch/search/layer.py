@@ -278,18 +278,19 @@ def choose(scored: list[Scored], budget: torch.Tensor, objective: str, max_error
     return [(choose_head(scored, budget, h, objective, max_error)[0], h) for h in range(budget.numel())]
 
 
-def target_cost(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> torch.Tensor:
-    """The space's target pattern's cost per head on these inputs (float64 [H], ms), without running it."""
+def target_cost(q, k, v, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """The space's target pattern's cost per head on these inputs (float64 [H], ms): modelled on a CPU,
+    timed on a GPU (the only run)."""
     n = k.shape[2]
-    s = score_candidate(space.target, space.resolve(space.target, n), q, k, None, None, None, head_space,
+    s = score_candidate(space.target, space.resolve(space.target, n), q, k, v, None, None, head_space,
                         space.block_m, space.block_n, scale, costs, Timings(), row_pos=row_pos)
     return s.cost_ms
 
 
-def dense_scored(q, k, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> Scored:
+def dense_scored(q, k, v, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> Scored:
     """The dense fallback entry: error 0, recall 1, density and cost of the dense index (costed like a
-    candidate: timed on a GPU, modelled on a CPU), never run here (it is the reference)."""
-    s = score_candidate(DENSE, DenseParams(), q, k, None, None, None, head_space, space.block_m, space.block_n,
+    candidate: timed on a GPU, modelled on a CPU); its output is the reference, so it is not scored."""
+    s = score_candidate(DENSE, DenseParams(), q, k, v, None, None, head_space, space.block_m, space.block_n,
                         scale, costs, Timings(), row_pos=row_pos)
     heads = s.cost_ms.numel()
     return Scored(DENSE, s.params, torch.zeros(heads, dtype=torch.float64), torch.ones(heads, dtype=torch.float64), s.density, s.cost_ms)
@@ -319,7 +320,7 @@ def score_layer(
     _sync(q)
     timings.kernel_s += time.perf_counter() - start
     if budget is None:
-        budget = target_cost(q, k, space, head_space, scale, costs, row_pos) * (1.0 + space.budget_slack)
+        budget = target_cost(q, k, v, space, head_space, scale, costs, row_pos) * (1.0 + space.budget_slack)
     scored = []
     for cand in space.candidates:
         if not space.applies_to(cand, modality) or (row_pos is not None and not REGISTRY[cand.pattern].REGION):
@@ -332,7 +333,7 @@ def score_layer(
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
     if dense_fallback:
-        scored.append(dense_scored(q, k, space, head_space, scale, costs, row_pos))
+        scored.append(dense_scored(q, k, v, space, head_space, scale, costs, row_pos))
     return scored, budget, timings
 
 
