@@ -113,6 +113,15 @@ def sequence_ids(sample) -> torch.Tensor:
     return torch.cat([sample.input_ids, sample.answer_ids])
 
 
+def sequence_modality(sample) -> torch.Tensor:
+    """Modality ids [N] of ``sequence_ids(sample)``: the prompt's, then text for the answer's tokens."""
+    from .data.sample import TEXT
+
+    if sample.answer_ids is None:
+        return sample.modality
+    return torch.cat([sample.modality, torch.full_like(sample.answer_ids, TEXT)])
+
+
 def final_hidden(model, sample, artifact=None, *, min_tokens: int = 1024, audit: bool = False) -> tuple[torch.Tensor, dict]:
     """One forward of ``sequence_ids(sample)``; returns (hidden [N, H] as the lm head receives it, {layer:
     prefill audit error}). The forward stops at the lm head (a pre-hook takes its input and raises), so
@@ -133,7 +142,7 @@ def final_hidden(model, sample, artifact=None, *, min_tokens: int = 1024, audit:
             if artifact is None:
                 _forward_until_head(model, ids, kwargs)
             else:
-                errors = _sparse_forward(model, artifact, sample.modality.to(device), ids, kwargs, min_tokens, audit)
+                errors = _sparse_forward(model, artifact, sequence_modality(sample).to(device), ids, kwargs, min_tokens, audit)
     finally:
         handle.remove()
     return kept[0], errors

@@ -177,3 +177,13 @@ def test_check_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fidelity.check_options(**kwargs)
     fidelity.check_options(samples=1, tokens=4096, min_tokens=4096)
+
+
+def test_teacher_forced_sequence_appends_the_answer_as_text():
+    from sparsesearch.data import IMAGE, TEXT, Sample
+
+    s = Sample(torch.arange(5), torch.tensor([TEXT, IMAGE, IMAGE, TEXT, TEXT]), answer="x", answer_ids=torch.tensor([7, 8]))
+    assert fidelity.sequence_ids(s).tolist() == [0, 1, 2, 3, 4, 7, 8]
+    assert fidelity.sequence_modality(s).tolist() == [TEXT, IMAGE, IMAGE, TEXT, TEXT, TEXT, TEXT]
+    plain = Sample(torch.arange(3), torch.zeros(3, dtype=torch.long))
+    assert fidelity.sequence_ids(plain) is plain.input_ids and fidelity.sequence_modality(plain) is plain.modality
