@@ -512,11 +512,15 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
 
         def kl_of(global_rows: list[dict]) -> float:
+            dens = sum(r["density"] for r in global_rows) / len(global_rows)
+            progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {dens:.1%}")
             fid = evaluate_fidelity(model, tokenizer, manifest, sliding + global_rows, data=cfg.data, samples=cfg.samples,
                                     tokens=cfg.max_tokens, seed=cfg.seed + TUNE_SEED_OFFSET, min_tokens=VERIFY_MIN_TOKENS)
             return fidelity_kl(fid)[1]
 
+        started = time.perf_counter()
         global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of)
+        target["seconds"] = round(time.perf_counter() - started, 1)
         rows = sliding + global_rows
         mm["objective"] = f"target {target['kind']}"
         mm["calibration_layer_output_error"] = {
