@@ -310,6 +310,7 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
 
 TUNE_SEED_OFFSET = 5000  # target tuning prompts: held_out(data, seed + 5000 + i), disjoint from the verification's
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
+KL_RESOLUTION = 0.005  # the KL bisection stops when its bracket spans <= 0.5% of dense cost
 CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
 
 
@@ -384,7 +385,7 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
             alloc = path[0]
             miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
     else:
-        found = search_target(path, lambda a: kl_of(rows_of(a)), value)
+        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION)
         measured = found.measured
         alloc = path[found.best if found.chosen is None else found.chosen]
         if found.chosen is None:
@@ -512,11 +513,15 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
 
         def kl_of(global_rows: list[dict]) -> float:
+            dens = sum(r["density"] for r in global_rows) / len(global_rows)
+            progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {dens:.1%}")
             fid = evaluate_fidelity(model, tokenizer, manifest, sliding + global_rows, data=cfg.data, samples=cfg.samples,
                                     tokens=cfg.max_tokens, seed=cfg.seed + TUNE_SEED_OFFSET, min_tokens=VERIFY_MIN_TOKENS)
             return fidelity_kl(fid)[1]
 
+        started = time.perf_counter()
         global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of)
+        target["seconds"] = round(time.perf_counter() - started, 1)
         rows = sliding + global_rows
         mm["objective"] = f"target {target['kind']}"
         mm["calibration_layer_output_error"] = {

@@ -73,6 +73,10 @@ def test_search_target_finds_the_cheapest_point_that_meets_the_target():
     missed = search_target(path, measure, 1e-4)
     assert missed.chosen is None and missed.best == 4  # the densest sparse point is the best reachable
     assert search_target(path, measure, 1.0).chosen == 0
+    calls.clear()
+    coarse = search_target(path, measure, 0.005, costs=[0.1, 0.2, 0.3, 0.31, 0.32, 1.0], resolution=0.05)
+    assert coarse.chosen == 4 and 3 not in calls  # the bracket (2, 4) spans 2% of dense: 3 is not worth a run
+    assert search_target(path, measure, 0.005).chosen == 4 and 3 in calls
 
 
 @pytest.mark.parametrize("kind,value", [("target_kl", 0.0), ("target_kl", -1e-3), ("max_output_error", math.nan),

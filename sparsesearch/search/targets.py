@@ -169,11 +169,14 @@ class TargetSearch:
     best: int
 
 
-def search_target(path: list[Allocation], measure: Callable[[Allocation], float], target: float) -> TargetSearch:
+def search_target(path: list[Allocation], measure: Callable[[Allocation], float], target: float,
+                  costs: list[float] | None = None, resolution: float = 0.0) -> TargetSearch:
     """Bisect the path (value assumed non-increasing along it, as more heads go denser) for the cheapest
     allocation whose measured value (KL) is <= target. The all-dense end is excluded: measured first is the
     densest sparse allocation (path[-2]); if it misses, nothing cheaper is tried and chosen is None.
-    Measures about log2(len(path)) + 1 allocations."""
+    Measures about log2(len(path)) + 2 allocations; fewer with costs (cost fraction per path point) and a
+    resolution: the bisection stops once the bracket's points differ by <= resolution of dense cost (each
+    measurement runs the model, and a finer answer would save less than that)."""
     if len(path) < 2:
         raise ValueError("no sparse candidate is cheaper than dense for any head: nothing to allocate")
     measured: dict[int, float] = {}
@@ -189,7 +192,7 @@ def search_target(path: list[Allocation], measure: Callable[[Allocation], float]
     if value(0) <= target:
         return TargetSearch(0, measured, 0)
     lo = 0  # invariant: path[lo] misses the target, path[hi] meets it
-    while hi - lo > 1:
+    while hi - lo > 1 and (costs is None or costs[hi] - costs[lo] > resolution):
         mid = (lo + hi) // 2
         if value(mid) <= target:
             hi = mid
