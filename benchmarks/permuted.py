@@ -149,7 +149,8 @@ def run(args) -> list[dict]:
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
-        for name, params, build, index, row_map, col_map, row_pos in grid_cases(n, args.kv_heads, args, device) + region_cases(n, args.kv_heads, args, device):
+        cases = grid_cases(n, args.kv_heads, args, device) + region_cases(n, args.kv_heads, args, device)
+        for name, params, build, index, row_map, col_map, row_pos in cases:
             if args.cases and not any(c in name for c in args.cases):
                 continue
             rows = torch.arange(n, device=device) if row_map is None else row_map.long()
