@@ -309,8 +309,8 @@ def score_layer(
     budget: float64 [H] ms to prune against instead of the target's cost here x (1 + slack) (a region's
     share of the whole sequence's budget, search/boundary.py).
     With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
-    max_error). The boundary search leaves it out of the regions other than the global one: a region's
-    error is relative to its own rows' output, not the head's (search/boundary.py).
+    max_error; a space that lists dense itself gets the same treatment). The boundary search leaves it
+    out of its regions (search/boundary.py says why).
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
