@@ -251,10 +251,14 @@ def test_exports_say_what_sliding_layers_are(calibrated, tmp_path):
 
     dump = export_json(art)
     assert dump["sliding_layers"]["layers"] == list(SLIDING) and dump["sliding_layers"]["window"] == GEMMA_WINDOW
+    # Global layers may hold heads estimated from q/k (vertical-slash): the export takes them from --qk.
+    import torch
+    from safetensors.torch import save_file
+
+    qk = {f"{name}.{layer}": torch.randn(1, heads, 256, 64) for layer in range(5) for name, heads in (("q", 4), ("k", 1))}
+    save_file(qk, str(tmp_path / "qk.safetensors"))
     result = CliRunner().invoke(app, ["export", str(calibrated.path), "--format", "flex", "--out", str(tmp_path / "m.safetensors"),
-                                      "--tokens", "256"])
-    if result.exit_code == 2 and "estimated from Q and K" in result.output:
-        return  # the search chose vertical-slash on a global head: Flex needs --qk for it (tested in test_export)
+                                      "--qk", str(tmp_path / "qk.safetensors")])
     assert result.exit_code == 0, result.output
     from sparsesearch.export.flex import load_flex
 

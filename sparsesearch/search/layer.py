@@ -42,10 +42,10 @@ MAX_ERROR = 0.5
 # Objectives this close count as equal (0.1% of the output norm plus 5%, as the boundary choice's
 # tolerance): the cheaper candidate wins, then the earlier kind of KIND_ORDER.
 TIE_ABS, TIE_REL = 1e-3, 0.05
-# Fixed order of kinds for ties at equal cost: static before dynamic (no estimate at run time), and
-# among those the smaller index first. Unlisted patterns come after, in search-space order.
-KIND_ORDER = ("ashape", "triangle", "grid", "block_topk", "vertical_slash")
 DENSE = Candidate("dense", {})  # the fallback entry of every scored list
+# Fixed order of kinds for ties at equal cost: static before dynamic (no estimate at run time; the
+# registry's DYNAMIC fact), then registry order (ashape, triangle, grid, vertical_slash, block_topk).
+KIND_ORDER = tuple(sorted((name for name in REGISTRY if name != DENSE.pattern), key=lambda name: REGISTRY[name].DYNAMIC))
 
 
 @dataclass
@@ -309,8 +309,8 @@ def score_layer(
     budget: float64 [H] ms to prune against instead of the target's cost here x (1 + slack) (a region's
     share of the whole sequence's budget, search/boundary.py).
     With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
-    max_error). The boundary search leaves it out of the regions other than the global one: a region's
-    error is relative to its own rows' output, not the head's (search/boundary.py).
+    max_error; a space that lists dense itself gets the same treatment). The boundary search leaves it
+    out of its regions (search/boundary.py says why).
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
