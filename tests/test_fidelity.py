@@ -187,3 +187,24 @@ def test_teacher_forced_sequence_appends_the_answer_as_text():
     assert fidelity.sequence_modality(s).tolist() == [TEXT, IMAGE, IMAGE, TEXT, TEXT, TEXT, TEXT]
     plain = Sample(torch.arange(3), torch.zeros(3, dtype=torch.long))
     assert fidelity.sequence_ids(plain) is plain.input_ids and fidelity.sequence_modality(plain) is plain.modality
+
+
+def test_manifest_schema_takes_the_new_fidelity_block_and_old_ones():
+    import copy
+    import json
+    from pathlib import Path
+
+    from sparsesearch.artifacts.schema import ArtifactError, validate
+
+    old = json.loads((Path(__file__).parents[1] / "artifacts/reference/smollm2-135m-4k/manifest.json").read_text())
+    validate(old)  # written before teacher forcing: no teacher_forced / retrieval fields
+    new = copy.deepcopy(old)
+    block = new["methods"]["mminference"]["fidelity"]
+    block["teacher_forced"] = {"positions": "every", "tokens": 8, "kl_mean": 0.1, "ppl_dense": 3.0, "ppl_sparse": 3.5, "tail_from": 4,
+                               "tail_tokens": 4, "kl_tail_mean": 0.2, "ppl_dense_tail": 3.0, "ppl_sparse_tail": 4.0,
+                               "sparse_ran": True, "next_token_kl": 0.3}
+    block["retrieval"] = fidelity.retrieval(_gens([False] * 4), _gens([False] * 4), [0.125, 0.375, 0.625, 0.875])
+    validate(new)
+    block["retrieval"]["verdict"] = "0% vs 0%"
+    with pytest.raises(ArtifactError, match="retrieval.verdict does not match"):
+        validate(new)
