@@ -96,7 +96,7 @@ class Stack:
         return F.rms_norm(x, (s.hidden,)) @ self.head
 
 
-def kv_bytes(shape: Shape, tokens: int, layer_tokens=None) -> int:
+def kv_bytes(shape: Shape, tokens: int) -> int:
     """GPU KV bytes per sequence when global layers hold ``tokens`` and sliding layers their window."""
     per_token = 2 * shape.kv_heads * shape.dim * 2
     return sum(per_token * (tokens if shape.is_global(i) else min(tokens, shape.window)) for i in range(shape.layers))

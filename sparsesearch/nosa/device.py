@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.gather import gather_blocks
 from .config import NosaConfig
+from .proxies import trained_scores
 from .selection import NEG, agnostic_unit_scores, pool_blocks, select_blocks, unit_count
 
 DEVICE_PROXIES = ("trained", "vnorm", "random")
@@ -40,8 +41,7 @@ def token_scores(proxy: str, v: torch.Tensor, eviction: tuple[torch.Tensor, torc
     """Per-token query-agnostic score of tokens whose values are v [..., Hkv, T, D] at positions [T] or
     [..., T] -> float32 [..., Hkv, T]. ``random`` hashes (seed, position, head) so a token keeps its score."""
     if proxy == "trained":
-        w, a = eviction
-        return a.float()[:, None] * F.softplus(torch.einsum("...htd,hd->...ht", v.float(), w.float()))
+        return trained_scores(v, *eviction)
     if proxy == "vnorm":
         return v.float().norm(dim=-1)
     heads = torch.arange(v.shape[-3], device=v.device)[:, None]
