@@ -85,11 +85,12 @@ def oracle_rows(q, k, v, rows: torch.Tensor, mask: torch.Tensor, upcast: bool = 
 def run_mapped(fn, q, k, v, index, region, full_out: bool):
     """One launch reading the region in place; full_out: out/lse of the whole q (written at row_map)."""
     row_map, col_map = region.maps(q.device)
+    row_pos = None if region.row_pos is None else region.row_pos.to(q.device)
     if not full_out:
-        return fn(q, k, v, index, scale=SCALE, row_pos=region.row_pos.to(q.device), row_map=row_map, col_map=col_map)
+        return fn(q, k, v, index, scale=SCALE, row_pos=row_pos, row_map=row_map, col_map=col_map)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    fn(q, k, v, index, scale=SCALE, row_pos=region.row_pos.to(q.device), row_map=row_map, col_map=col_map, out=out, lse=lse)
+    fn(q, k, v, index, scale=SCALE, row_pos=row_pos, row_map=row_map, col_map=col_map, out=out, lse=lse)
     rows = region.q_idx.to(q.device)
     untouched = torch.ones(q.shape[2], dtype=torch.bool, device=q.device)
     untouched[rows] = False
