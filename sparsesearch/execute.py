@@ -202,6 +202,7 @@ def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: floa
     q [1, Hq, N, D], k/v [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the
     region's rows (heads no group serves stay (0, -inf)); or, given out [1, Hq, N, D] and lse [1, Hq, N],
     writes the served heads' rows there at their original positions and returns them."""
+    region = region.to(q.device)  # regions follow the modality ids' device; the launch needs q's
     row_map, col_map = region.maps(q.device)
     if out is None:
         rows = region.q_idx.numel()

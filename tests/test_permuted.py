@@ -107,7 +107,7 @@ def test_torch_backend_reads_regions_in_place_like_their_definition(kind, patter
     ids = layout_ids()
     n = ids.numel()
     q, k, v = qkv(n)
-    for region in boundary.regions(kind, ids, NAMES):
+    for region in boundary.regions(kind, ids.to(DEVICE), NAMES):
         index = _static_region_index(pattern, params, region, batch=2)
         ref, ref_lse = oracle_rows(q, k, v, region.q_idx, original_mask(region, region_frame_mask(region, pattern, params), n))
         for full_out in (False, True):
@@ -119,7 +119,7 @@ def test_torch_backend_reads_regions_in_place_like_their_definition(kind, patter
 def _static_region_index(pattern, params, region, batch: int):
     module = {"dense": dense, "ashape": ashape}[pattern]
     return module.build_index(params, region.q_idx.numel(), region.k_idx.numel(), batch=batch, heads=2, block_m=16,
-                              block_n=16, head_space="kv", row_pos=region.row_pos)
+                              block_n=16, head_space="kv", device=DEVICE, row_pos=region.row_pos)
 
 
 @pytest.mark.parametrize("dtype, kind", [(torch.float32, "q"), (torch.float32, "k"), (torch.float32, "2d"), (torch.bfloat16, "2d")],
@@ -133,7 +133,7 @@ def test_triton_kernel_reads_regions_in_place(dtype, kind):
     q, k, v = qkv(n, dtype=dtype)
     a_params = ashape.AShapeParams(sink=5, local=19)
     vs_params = vertical_slash.VerticalSlashParams(vertical_size=9, slash_size=5, last_q=16, force_vertical=2, force_slash=2)
-    for region in boundary.regions(kind, ids, NAMES):
+    for region in boundary.regions(kind, ids.to(DEVICE), NAMES):
         index = _static_region_index("ashape", a_params, region, batch=2)
         mask = original_mask(region, region_frame_mask(region, "ashape", a_params), n)
         ref, ref_lse = oracle_rows(q, k, v, region.q_idx, mask)
@@ -146,7 +146,7 @@ def test_triton_kernel_reads_regions_in_place(dtype, kind):
         q_r, k_r, v_r = region.gather(q, k, v)
         row_pos = None if region.row_pos is None else region.row_pos.to(DEVICE)
         vs = build_group_index(HeadGroup("vertical_slash", vs_params, (0, 1), 16, 16), q_r, k_r, "kv", row_pos)
-        frame = index_mask_fn(vs, q_r.shape[2], k_r.shape[2], group=2, row_pos=row_pos)(torch.arange(q_r.shape[2]))
+        frame = index_mask_fn(vs, q_r.shape[2], k_r.shape[2], group=2, row_pos=row_pos)(torch.arange(q_r.shape[2], device=DEVICE))
         full = torch.zeros(*frame.shape[:3], n, dtype=torch.bool)
         full[..., region.k_idx.cpu()] = frame.cpu()
         ref, _ = oracle_rows(q, k, v, region.q_idx, full)
@@ -177,7 +177,7 @@ def test_attend_boundary_in_place_equals_the_gathered_composition(kind):
     done = attend_boundary(((0, kind), (1, kind)), _groups("ashape", params), q, k, v, ids, "kv", SCALE, out)
     assert done == {0, 1}
     parts = []
-    for region in boundary.regions(kind, ids, NAMES):
+    for region in boundary.regions(kind, ids.to(DEVICE), NAMES):
         q_r, k_r, v_r = region.gather(q, k, v)
         index = build_group_index(HeadGroup("ashape", params, (0, 1), 16, 16), q_r, k_r, "kv", region.row_pos)
         o, l = block_sparse_attention_torch(q_r, k_r, v_r, index, scale=SCALE, row_pos=region.row_pos)
@@ -250,13 +250,15 @@ def test_permuted_grid_in_kernel_equals_its_definition(q_len, kv_len, params, ba
     BACKENDS[backend](q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=out, lse=lse)
     mask = grid.permuted_mask(params, q_len, kv_len, block_m=16, block_n=16).to(DEVICE)
     ref, ref_lse = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
-    assert relative_error(out, ref) < 1e-5 and float((lse - ref_lse).abs().max()) < 1e-4
+    # fp32 dots run as TF32 in the Triton kernel on a GPU; the torch twin and the interpreter stay fp32.
+    tol = 1e-5 if backend == "torch" else error_floor(torch.float32, DEVICE)
+    assert relative_error(out, ref) < tol and float((lse - ref_lse).abs().max()) < 10 * tol
     rm, cm = row_map.long(), col_map.long()
     perm_mask = mask[rm][:, cm]
     gathered, _ = masked_attention(q[:, :, rm], k[:, :, cm], v[:, :, cm], lambda r: perm_mask[r][None, None], scale=SCALE)
     unpermuted = torch.empty_like(gathered)
     unpermuted[:, :, rm] = gathered
-    assert relative_error(out, unpermuted) < 1e-5
+    assert relative_error(out, unpermuted) < tol
 
 
 def test_permuted_grid_bf16_in_the_interpreter():
@@ -312,9 +314,9 @@ def test_runner_runs_grid_heads_permuted_when_asked():
     plain = runner.attend(layer, q, k, v, scale=SCALE)
     runner.permute_grid = True
     permuted = runner.attend(layer, q, k, v, scale=SCALE)
-    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16)
+    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16).to(DEVICE)
     ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
-    assert relative_error(permuted, ref) < 1e-5
+    assert relative_error(permuted, ref) < error_floor(torch.float32, DEVICE)
     assert relative_error(plain, ref) > 1e-4  # the plain cover computes other extra tokens
 
 
@@ -339,7 +341,8 @@ def test_runner_keeps_the_plain_cover_where_the_permutation_lists_more_blocks():
 
 def _maps_case():
     q, k, v = qkv(40, batch=1)
-    index = dense.build_index(None, 24, 30, heads=2, block_m=16, block_n=16, head_space="kv", row_pos=torch.arange(24))
+    index = dense.build_index(None, 24, 30, heads=2, block_m=16, block_n=16, head_space="kv", device=DEVICE,
+                              row_pos=torch.arange(24, device=DEVICE))
     return q, k, v, index
 
 
@@ -361,12 +364,13 @@ def test_bad_maps_are_refused_before_any_launch(backend, row_map, col_map, messa
 
 def test_maps_refuse_varlen_and_a_frame_of_the_wrong_length():
     q, k, v, index = _maps_case()
-    rm, cm = torch.arange(24, dtype=torch.int32), torch.arange(30, dtype=torch.int32)
+    rm, cm = torch.arange(24, dtype=torch.int32, device=DEVICE), torch.arange(30, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"row_pos must be an int tensor \[24\]"):
-        block_sparse_attention_torch(q, k, v, index, row_map=rm, col_map=cm, row_pos=torch.arange(30))
+        block_sparse_attention_torch(q, k, v, index, row_map=rm, col_map=cm, row_pos=torch.arange(30, device=DEVICE))
     with pytest.raises(ValueError, match="dense"):
         block_sparse_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), index,
-                               cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32),
+                               cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32, device=DEVICE),
+                               cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32, device=DEVICE),
                                row_map=rm)
 
 
@@ -400,7 +404,8 @@ def test_identity_maps_are_the_plain_path(backend):
     """Identity maps (default scale 1/sqrt(D)) reproduce the launch without maps: the Triton kernel bit for
     bit (same tiles, same order), the torch twin within rounding (it takes its block-gather branch)."""
     q, k, v = qkv(48, batch=1)
-    idx = ashape.build_index(ashape.AShapeParams(sink=4, local=20), 48, 48, heads=2, block_m=16, block_n=16, head_space="kv")
+    idx = ashape.build_index(ashape.AShapeParams(sink=4, local=20), 48, 48, heads=2, block_m=16, block_n=16, head_space="kv",
+                             device=DEVICE)
     rm = torch.arange(48, dtype=torch.int32, device=DEVICE)
     a, la = BACKENDS[backend](q, k, v, idx, row_map=rm, col_map=rm)
     b, lb = BACKENDS[backend](q, k, v, idx, scale=1 / math.sqrt(64))

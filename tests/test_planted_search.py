@@ -210,6 +210,22 @@ def test_triangle_is_scored_with_its_dense_tail():
     assert torch.allclose(tri.error, oracle, atol=1e-4), (tri.error, oracle)
 
 
+def test_a_head_no_candidate_serves_gets_the_cheapest_measured():
+    """Budget 0 (as timed costs give tiny GPU regions): nothing is admissible, every head falls back to
+    the cheapest candidate, which pruning left unrun; the row must carry its measured error, not inf."""
+    n = 600
+    q, k, v = P.layer([[P.ashape(n, 16, 8)], [P.triangle(n, 16, 8, 64)]])
+    sp = space(candidates=[{"pattern": "ashape", "params": {"sink": 16, "local": 64}},
+                           {"pattern": "ashape", "params": {"sink": 16, "local": 256}}])
+    zero = torch.zeros(2, dtype=torch.float64)
+    rows = head_rows(*score_layer(q, k, v, sp, AnalyticCost(), head_space="query", budget=zero, dense_fallback=False)[:2],
+                     "output_error")
+    free, _, _ = score_layer(q, k, v, sp, AnalyticCost(), head_space="query", dense_fallback=False)
+    for h, row in enumerate(rows):
+        assert (row["params"].sink, row["params"].local) == (16, 64), row  # the cheaper one
+        assert row["output_error"] == pytest.approx(float(free[0].error[h]), abs=1e-6), row
+
+
 # -------------------------------------------------------------------------------------- GQA top-k
 
 

@@ -58,6 +58,13 @@ class Region:
         """Causal (row, key) pairs of the region."""
         return causal_entries(self.q_idx.numel()) if self.row_pos is None else region_causal_entries(self.row_pos)
 
+    def to(self, device) -> "Region":
+        """The region with its index tensors on ``device`` (itself when they are there already)."""
+        if self.q_idx.device == torch.device(device):
+            return self
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Region(self.q_mod, self.k_mod, move(self.q_idx), move(self.k_idx), move(self.row_pos))
+
     def maps(self, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The region read in place (kernels' row_map / col_map): int32 q_idx [Nq] and k_idx [Nk] on
         ``device``, None for a side that is every token in order (``all``)."""

@@ -332,9 +332,31 @@ def score_layer(
                                       scale, costs, timings, budget, row_pos))
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
+    _score_fallbacks(scored, budget, q, k, v, ref_out, ref_lse, space, head_space, scale, costs, timings, frame_stride, row_pos)
     if dense_fallback:
         scored.append(dense_scored(q, k, v, space, head_space, scale, costs, row_pos))
     return scored, budget, timings
+
+
+def _score_fallbacks(scored: list[Scored], budget: torch.Tensor, q, k, v, ref_out, ref_lse, space: SearchSpace, head_space: str,
+                     scale: float, costs: CostModel, timings: Timings, frame_stride: int | None, row_pos: torch.Tensor | None) -> None:
+    """Heads no candidate serves within budget fall back to the cheapest (``choose_head``), which pruning
+    left unrun (error inf): run it for them so the pick carries its measured error and recall. On a GPU
+    this is common in small regions, whose timed costs are launch-bound; the costs stay the first ones."""
+    n = k.shape[2]
+    unserved: dict[int, list[int]] = {}
+    for h in range(budget.numel()):
+        if any(float(s.cost_ms[h]) <= float(budget[h]) for s in scored):
+            continue
+        i = min(range(len(scored)), key=lambda i: (float(scored[i].cost_ms[h]), _kind_rank(scored[i])))
+        if not math.isfinite(float(scored[i].error[h])):
+            unserved.setdefault(i, []).append(h)
+    for i, heads in unserved.items():
+        cand = scored[i].candidate
+        again = score_candidate(cand, space.resolve(cand, n, frame_stride=frame_stride), q, k, v, ref_out, ref_lse, head_space,
+                                space.block_m, space.block_n, scale, costs, timings, None, row_pos)
+        scored[i].error[heads] = again.error[heads]
+        scored[i].recall[heads] = again.recall[heads]
 
 
 def head_rows(scored: list[Scored], budget: torch.Tensor, objective: str, max_error: float = MAX_ERROR) -> list[dict]:

@@ -19,10 +19,10 @@ from .layout import Layout
 def spava_mask(q: torch.Tensor, k: torch.Tensor, layout: Layout) -> torch.Tensor:
     """q [B, Hq, N, D], k [B, Hkv, N, D] over the global sequence -> bool [B, Hkv, N, N] (True = attend)."""
     b, hkv, n, _ = k.shape
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=k.device)
     mask = (pos[None, :] <= pos[:, None]).repeat(b, hkv, 1, 1)  # causal everywhere, then cut
     qm = query_mean(q[:, :, layout.n_ctx :], hkv)
-    ctx_allowed = torch.zeros(b, hkv, n, dtype=torch.bool)
+    ctx_allowed = torch.zeros(b, hkv, n, dtype=torch.bool, device=k.device)
     ctx_allowed[..., : layout.l_a] = True
     for j in range(layout.hosts):
         s, e = layout.block(j)
