@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.gather import gather_blocks
+from ..kernels.nosa_select import SelectScratch, select_and_map
 from .config import NosaConfig
 from .proxies import trained_scores
 from .selection import NEG, agnostic_unit_scores, pool_blocks, select_blocks, unit_count
@@ -55,10 +56,15 @@ class SlotDecoder:
 
     cfg: the NOSA configuration (block, k, k_q, sink, window, proxy); group: query heads per KV head;
     capacity: tokens per sequence the host store holds (prompt + decode steps); eviction: (W [Hkv, D],
-    A [Hkv]) for proxy ``trained`` (its scores are also the attention's additive logit bias)."""
+    A [Hkv]) for proxy ``trained`` (its scores are also the attention's additive logit bias); fused: select,
+    map slots and build the mask in one Triton launch (kernels/nosa_select.py) instead of the torch ops
+    below — the default on a GPU, where the torch path's ~80 launches per
+    layer dominated a step; scratch: the fused kernel's buffers, which layers run one after another may
+    share (a step's selection is consumed within the layer's step)."""
 
     def __init__(self, cfg: NosaConfig, *, batch: int, kv_heads: int, group: int, dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str, eviction=None, seed: int = 0, host=None):
+                 dtype: torch.dtype, device: torch.device | str, eviction=None, seed: int = 0, host=None,
+                 fused: bool | None = None, scratch: SelectScratch | None = None):
         if cfg.proxy not in DEVICE_PROXIES:
             raise ValueError(f"proxy {cfg.proxy!r} needs the full history at each refresh; the sync-free decoder serves {', '.join(DEVICE_PROXIES)}")
         if cfg.proxy == "trained" and eviction is None:
@@ -85,13 +91,19 @@ class SlotDecoder:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.host_lengths = [0] * batch  # the host's copy: every step adds 1 to each, so it needs no sync
         self.cold = True
-        self.fetched = torch.zeros((), dtype=torch.long, device=device)  # blocks moved host -> device
-        self.dropped = torch.zeros((), dtype=torch.long, device=device)  # misses beyond the fetch list (must stay 0)
+        self.counters = torch.zeros(2, dtype=torch.long, device=device)
+        self.fetched = self.counters[0]  # blocks moved host -> device
+        self.dropped = self.counters[1]  # misses beyond the fetch list (must stay 0)
         self.scale = dim ** -0.5
         self.backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a masked call: no flash
         pairs = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1)
         self._src_row0 = pairs * self.n_blocks  # first host block row of each (sequence, KV head)
         self._dst_row0 = pairs * (cfg.k + 1)  # first slot row of each (sequence, KV head)
+        self.fused = device.type == "cuda" if fused is None else fused
+        if self.fused:
+            self.scratch = scratch or SelectScratch(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype, device)
+            if not self.scratch.fits(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype):
+                raise ValueError("the shared selection scratch was made for another shape")
 
     # ------------------------------------------------------------------------------------------ prefill
 
@@ -152,10 +164,29 @@ class SlotDecoder:
         self.append(k_new, v_new)
         if boundary_any:
             self._refresh(self.lengths % self.cfg.block == 1 % self.cfg.block)
-        selected = self.last_selected = self.select(q)
-        self.fetch(selected, ranks=self.cfg.k if boundary_any or self.cold else self.cfg.k_q)
+        ranks = self.cfg.k if boundary_any or self.cold else self.cfg.k_q
         self.cold = False
+        if self.fused:
+            self.fused_select(q, ranks)
+            return self.attend(q, self.scratch.mask.view(self.batch, self.kv_heads, 1, -1))
+        self._selected = self.select(q)
+        self.fetch(self._selected, ranks=ranks)
         return self.attend(q)
+
+    @property
+    def last_selected(self) -> torch.Tensor:
+        """bool [B, Hkv, n_blocks]: the last step's selected blocks (the tail block excluded)."""
+        return self.scratch.sel.view(self.batch, self.kv_heads, -1).bool() if self.fused else self._selected
+
+    def fused_select(self, q: torch.Tensor, ranks: int) -> None:
+        """select + fetch in one launch (kernels/nosa_select.py) and the two UVA gathers of its fetch list;
+        the attention mask is left in scratch.mask."""
+        cfg, bs, dim = self.cfg, self.cfg.block, self.dim
+        src, dst = select_and_map(self.units, q.contiguous(), self.lengths, self.se, self.scores, self.slot_map, self.counters, self.scratch,
+                                  block=bs, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win, kernel=cfg.kernel,
+                                  stride=cfg.stride, ranks=min(ranks, self.n_blocks), scale=self.scale, bias=cfg.proxy == "trained")
+        gather_blocks(self.keys_host.view(-1, bs, dim), src, self.slots_k.view(-1, bs, dim), dst)
+        gather_blocks(self.values_host.view(-1, bs, dim), src, self.slots_v.view(-1, bs, dim), dst)
 
     def boundary_next(self) -> bool:
         """Whether the next token starts a block in some sequence (known on the host: no sync). A CUDA
@@ -241,8 +272,17 @@ class SlotDecoder:
         gather_blocks(self.values_host.view(-1, bs, dim), src, self.slots_v.view(-1, bs, dim), dst)
         self.fetched += take.sum()
 
-    def attend(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, D] over the resident slots and the tail's tokens so far -> [B, Hq, D]."""
+    def attend(self, q: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, D] over the resident slots and the tail's tokens so far -> [B, Hq, D]. mask: the
+        additive [B, Hkv, 1, (k+1)·block] mask when the fused kernel built it, else built here."""
+        qg = q.view(self.batch, self.kv_heads, self.group, self.dim)
+        mask = self._mask(q) if mask is None else mask
+        with sdpa_kernel(self.backends):
+            out = F.scaled_dot_product_attention(qg, self.slots_k, self.slots_v, attn_mask=mask, scale=self.scale)
+        return out.reshape(self.batch, -1, self.dim)
+
+    def _mask(self, q: torch.Tensor) -> torch.Tensor:
+        """The attention mask from the slot map: bool, or additive with the eviction bias (proxy trained)."""
         cfg, bs = self.cfg, self.cfg.block
         offs = torch.arange(bs, device=q.device)
         slot_ok = (self.slot_map >= 0)[..., None].expand(-1, -1, -1, bs).flatten(2)  # [B, Hkv, k·bs]
@@ -252,13 +292,8 @@ class SlotDecoder:
             tokens = torch.cat([(self.slot_map.clamp(min=0)[..., None] * bs + offs).flatten(2),
                                 (torch.div(self.lengths - 1, bs, rounding_mode="floor") * bs)[:, None, None] + offs.expand(self.kv_heads, -1)], 2)
             bias = self.scores.gather(-1, tokens.clamp(max=self.capacity - 1))[:, :, None]
-            mask = bias.masked_fill(~ok, NEG).to(q.dtype)
-        else:
-            mask = ok
-        qg = q.view(self.batch, self.kv_heads, self.group, self.dim)
-        with sdpa_kernel(self.backends):
-            out = F.scaled_dot_product_attention(qg, self.slots_k, self.slots_v, attn_mask=mask, scale=self.scale)
-        return out.reshape(self.batch, -1, self.dim)
+            return bias.masked_fill(~ok, NEG).to(q.dtype)
+        return ok
 
     def memory(self) -> dict:
         """Bytes on the device (slots + tail, map, compressed keys, scores, ring) and in the host store."""

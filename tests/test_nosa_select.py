@@ -1,0 +1,108 @@
+"""The fused NOSA selection kernel (kernels/nosa_select.py, through SlotDecoder(fused=True)) against the
+torch path of the same decoder, which tests/test_nosa_device.py checks against brute force: the same
+selected blocks, slot map, fetch counts and attention output at every step, over block starts, several
+tiles of units and blocks, GQA groups that pad the dot, batches of different lengths, exact ties, and the
+trained proxy's logit bias. bf16 is checked against its own selection (the torch path rounds the query
+logits to bf16, the kernel keeps them in fp32, so near-ties may differ)."""
+
+import pytest
+import torch
+
+from sparsesearch.kernels.nosa_select import SelectScratch, select_and_map
+from sparsesearch.nosa.config import NosaConfig
+from sparsesearch.nosa.device import SlotDecoder
+
+
+def _pair(cfg, lengths, *, heads=2, group=2, dim=16, steps=20, dtype=torch.float32, seed=0, same_keys=False):
+    """A torch-path and a fused decoder over one random prompt; yields (decoders, q, outputs) after every step."""
+    torch.manual_seed(seed)
+    batch = lengths.numel()
+    eviction = (torch.randn(heads, dim), torch.rand(heads) + 0.5) if cfg.proxy == "trained" else None
+    capacity = int(lengths.max()) + steps + 1
+    decs = [SlotDecoder(cfg, batch=batch, kv_heads=heads, group=group, dim=dim, capacity=capacity, dtype=dtype, device="cpu",
+                        eviction=eviction, seed=3, fused=fused) for fused in (False, True)]
+    n0 = int(lengths.max())
+    keys = torch.ones(batch, heads, n0, dim, dtype=dtype) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
+    values = torch.ones_like(keys) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
+    for d in decs:
+        d.prefill(keys, values, lengths)
+    for i in range(steps):
+        # same_keys: q = 0 too, so every logit is exactly 0 (a dot's rounding can differ between columns)
+        q = torch.zeros(batch, heads * group, dim, dtype=dtype) if same_keys else torch.randn(batch, heads * group, dim, dtype=dtype)
+        k_new = torch.ones(batch, heads, dim, dtype=dtype) if same_keys else torch.randn(batch, heads, dim, dtype=dtype)
+        v_new = torch.ones_like(k_new) if same_keys else torch.randn(batch, heads, dim, dtype=dtype)
+        yield decs, q, [d.step(q, k_new, v_new) for d in decs]
+
+
+CASES = [
+    # proxy, block, k, k_q, lengths, group: block starts in every run; the long one spans 2 tiles of units and blocks
+    ("vnorm", 32, 6, 2, [167, 127], 2),
+    ("trained", 32, 6, 2, [167, 127], 2),
+    ("random", 16, 8, 3, [90, 47, 200], 4),
+    ("vnorm", 16, 4, 0, [95, 64], 1),
+    ("trained", 16, 24, 6, [1400, 1100], 4),
+]
+
+
+@pytest.mark.parametrize("proxy,block,k,k_q,lengths,group", CASES, ids=[f"{c[0]}-b{c[1]}-k{c[2]}-kq{c[3]}-n{max(c[4])}" for c in CASES])
+def test_fused_step_equals_the_torch_path(proxy, block, k, k_q, lengths, group):
+    cfg = NosaConfig(block=block, k=k, k_q=k_q, n_init=1, n_win=1, proxy=proxy)
+    steps = block + 4 if max(lengths) < 1000 else 18  # crosses a block start in every sequence (the long case: in some)
+    for decs, _, (plain, fused) in _pair(cfg, torch.tensor(lengths), group=group, steps=steps):
+        assert torch.equal(decs[0].last_selected, decs[1].last_selected)
+        assert torch.equal(decs[0].slot_map, decs[1].slot_map)
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(decs[0].counters, decs[1].counters) and int(decs[1].dropped) == 0
+
+
+def test_ties_resolve_to_the_lower_block_like_the_stable_sort():
+    """Identical keys and values and a zero query: every block scores exactly the same on both sides, so the
+    order is the index."""
+    cfg = NosaConfig(block=16, k=5, k_q=2, n_init=1, n_win=1, proxy="vnorm")
+    for decs, _, _ in _pair(cfg, torch.tensor([150, 99]), steps=20, same_keys=True):
+        assert torch.equal(decs[0].last_selected, decs[1].last_selected)
+        assert torch.equal(decs[0].slot_map, decs[1].slot_map)
+    sel = decs[1].last_selected[0, 0].nonzero().flatten().tolist()
+    tail = (int(decs[1].lengths[0]) - 1) // 16
+    assert sel == [0, 1, 2, 3, tail - 1]  # sink, then the lowest blocks, then the window
+
+
+def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound():
+    """bf16: the slots hold exactly the kernel's own selection (as the host store has it), the kernel's mask
+    is the one the torch path builds from that slot map (eviction bias included), so the output is the
+    torch path's attention over it; inside a block at most k_q selected blocks are new."""
+    cfg = NosaConfig(block=16, k=8, k_q=2, n_init=1, n_win=1, proxy="trained")
+    prev = None
+    for decs, q, (_, out) in _pair(cfg, torch.tensor([300, 211]), heads=2, group=4, dim=32, steps=24, dtype=torch.bfloat16, seed=1):
+        dec = decs[1]
+        sel = dec.last_selected
+        if prev is not None:
+            stable = ((dec.lengths - 1) % cfg.block != 0)[:, None].expand(-1, sel.shape[1])
+            assert bool(((sel & prev).sum(-1)[stable] >= cfg.k - cfg.k_q).all())
+        prev = sel
+        for b in range(2):
+            for h in range(2):
+                resident = sorted(int(x) for x in dec.slot_map[b, h] if x >= 0)
+                assert resident == sel[b, h].nonzero().flatten().tolist()
+                for slot, blk in enumerate(dec.slot_map[b, h].tolist()):
+                    if blk >= 0:
+                        assert torch.equal(dec.slots_k[b, h, slot * 16:(slot + 1) * 16], dec.keys_host[b, h, blk * 16:(blk + 1) * 16])
+                        assert torch.equal(dec.slots_v[b, h, slot * 16:(slot + 1) * 16], dec.values_host[b, h, blk * 16:(blk + 1) * 16])
+        mask, want = dec.scratch.mask.view(2, 2, 1, -1), dec._mask(q)
+        assert torch.equal(torch.isinf(mask), torch.isinf(want))
+        # the bias within one bf16 step: the interpreter's float32 -> bf16 cast need not round as torch's does
+        torch.testing.assert_close(mask.float(), want.float(), rtol=2 ** -7, atol=0)
+        assert torch.equal(out, dec.attend(q, mask))  # the step attended with that mask
+    assert int(dec.dropped) == 0
+
+
+def test_fused_selection_refuses_shapes_it_cannot_tile():
+    scratch = SelectScratch(1, 1, 4, 4, 2, 32, torch.float32, "cpu")
+    units = torch.zeros(1, 1, 4, 24)
+    args = (units, torch.zeros(1, 1, 24), torch.tensor([100]), torch.zeros(1, 1, 4), torch.zeros(1, 1, 128),
+            torch.full((1, 1, 2), -1), torch.zeros(2, dtype=torch.long), scratch)
+    kw = dict(block=32, k=2, k_q=1, n_init=1, n_win=0, kernel=32, stride=16, ranks=2, scale=1.0, bias=False)
+    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16 for the fused selection, got 24"):
+        select_and_map(*args, **kw)
+    with pytest.raises(ValueError, match="block 40 must be a multiple of the pooling stride 16"):
+        select_and_map(*args, **{**kw, "block": 40})
