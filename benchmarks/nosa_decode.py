@@ -102,14 +102,23 @@ def kv_bytes(shape: Shape, tokens: int) -> int:
     return sum(per_token * (tokens if shape.is_global(i) else min(tokens, shape.window)) for i in range(shape.layers))
 
 
-def nosa_bytes(shape: Shape, cfg, context: int) -> int:
+def nosa_bytes(shape: Shape, cfg, context: int, fused: bool = True) -> int:
     """GPU bytes per sequence of the NOSA cache: slots + tail, compressed keys, token scores, key ring and
     agnostic block scores on global layers (as SlotDecoder.memory counts them); sliding layers as dense."""
     cap = -(-(context + 64) // cfg.block) * cfg.block
     h, d = shape.kv_heads, shape.dim
     per_layer = h * (2 * (cfg.k + 1) * cfg.block * d * 2 + (cap // cfg.stride) * d * 2 + cap * 4 + cfg.kernel * d * 2 + (cap // cfg.block) * 4 + cfg.k * 8)
     sliding = 2 * h * d * 2 * min(context, shape.window)
-    return sum(per_layer if shape.is_global(i) else sliding for i in range(shape.layers))
+    return sum(per_layer if shape.is_global(i) else sliding for i in range(shape.layers)) + (select_scratch_bytes(shape, cfg, cap) if fused else 0)
+
+
+def select_scratch_bytes(shape: Shape, cfg, cap: int) -> int:
+    """The fused selection's scratch per sequence (kernels/nosa_select.py SelectScratch), shared by all
+    layers: padded-group logits and unit probabilities (float32 per unit), two float32 keys and two int8
+    flags per block, free slots, the mask and two fetch lists."""
+    units, blocks = cap // cfg.stride, cap // cfg.block
+    group_pad = max(16, 1 << (shape.heads // shape.kv_heads - 1).bit_length())
+    return shape.kv_heads * ((group_pad + 1) * units * 4 + blocks * 10 + cfg.k * 4 + (cfg.k + 1) * cfg.block * 2 + 2 * 2 * cfg.k * 8)
 
 
 class Dense:
@@ -191,7 +200,8 @@ class Nosa:
     """NOSA decode: a SlotDecoder per global layer over random prompts of ``context`` tokens; sliding layers
     as Dense (their window stays on the GPU in both systems)."""
 
-    def __init__(self, shape: Shape, cfg, batch: int, context: int, steps: int, device: str, host_gib: float, rho: float, seed: int = 0):
+    def __init__(self, shape: Shape, cfg, batch: int, context: int, steps: int, device: str, host_gib: float, rho: float, seed: int = 0,
+                 fused: bool = True):
         self.shape, self.rho = shape, rho
         g = torch.Generator(device=device).manual_seed(seed)
         capacity = context + steps + cfg.block
@@ -205,7 +215,8 @@ class Nosa:
             evict = (torch.randn(shape.kv_heads, shape.dim, generator=g, device=device) / math.sqrt(shape.dim), torch.rand(shape.kv_heads, generator=g, device=device))
             host = stores[n % self.stores] if n >= self.stores else None
             dec = SlotDecoder(cfg, batch=batch, kv_heads=shape.kv_heads, group=shape.heads // shape.kv_heads, dim=shape.dim, capacity=capacity,
-                              dtype=torch.bfloat16, device=device, eviction=evict, seed=seed, host=host)
+                              dtype=torch.bfloat16, device=device, eviction=evict, seed=seed, host=host, fused=fused,
+                              scratch=next(iter(self.decoders.values())).scratch if fused and self.decoders else None)
             if host is None:
                 stores.append((dec.keys_host, dec.values_host))
             keys = torch.randn(batch, shape.kv_heads, context, shape.dim, generator=g, device=device, dtype=torch.bfloat16)
@@ -315,13 +326,14 @@ def profile(stack: Stack, system, x: torch.Tensor, steps: int = 3) -> None:
 def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
     shape = SHAPES[shape_name]
     device = "cuda"
-    ratio = nosa_bytes(shape, cfg, context) / kv_bytes(shape, context)
+    ratio = nosa_bytes(shape, cfg, context, not args.torch_select) / kv_bytes(shape, context)
     dense_batch = int(eb * ratio)
     rows = []
     stack = Stack(shape, device)
     common = dict(device=torch.cuda.get_device_name(), shape=shape_name, context=context, eb=eb, block=cfg.block, k=cfg.k, k_q=cfg.k_q,
                   proxy=cfg.proxy, rho=args.query_locality, graph=not args.eager, gpu_kv_bytes_per_seq_dense=kv_bytes(shape, context),
-                  gpu_kv_bytes_per_seq_nosa=nosa_bytes(shape, cfg, context))
+                  gpu_kv_bytes_per_seq_nosa=nosa_bytes(shape, cfg, context, not args.torch_select),
+                  selection="torch" if args.torch_select else "fused")
     for method, batch in (("dense", dense_batch), ("nosa", eb)):
         if batch < 1:
             rows.append(common | dict(method=method, batch=0, note="no feasible batch under this KV budget"))
@@ -329,7 +341,8 @@ def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
         torch.cuda.empty_cache()
         x = torch.randn(batch, shape.hidden, device=device, dtype=torch.bfloat16)
         t0 = time.perf_counter()
-        system = Dense(shape, batch, context, device) if method == "dense" else Nosa(shape, cfg, batch, context, args.warmup + args.steps + 2, device, args.host_gib, args.query_locality)
+        system = Dense(shape, batch, context, device) if method == "dense" else Nosa(shape, cfg, batch, context, args.warmup + args.steps + 2, device, args.host_gib, args.query_locality,
+                                                                               fused=not args.torch_select)
         setup = time.perf_counter() - t0
         before = [(0, 0)]
 
@@ -375,6 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--host-gib", type=float, default=40.0, help="pinned host memory for distinct layer stores")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (profiling)")
+    ap.add_argument("--torch-select", action="store_true", help="the torch selection path instead of the fused kernel (the before row)")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of a few eager NOSA steps (torch.profiler)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

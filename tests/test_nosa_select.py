@@ -7,6 +7,7 @@ logits to bf16, the kernel keeps them in fp32, so near-ties may differ)."""
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from sparsesearch.kernels.nosa_select import SelectScratch, select_and_map
 from sparsesearch.nosa.config import NosaConfig
@@ -17,20 +18,21 @@ def _pair(cfg, lengths, *, heads=2, group=2, dim=16, steps=20, dtype=torch.float
     """A torch-path and a fused decoder over one random prompt; yields (decoders, q, outputs) after every step."""
     torch.manual_seed(seed)
     batch = lengths.numel()
-    eviction = (torch.randn(heads, dim), torch.rand(heads) + 0.5) if cfg.proxy == "trained" else None
+    eviction = (torch.randn(heads, dim, device=DEVICE), torch.rand(heads, device=DEVICE) + 0.5) if cfg.proxy == "trained" else None
     capacity = int(lengths.max()) + steps + 1
-    decs = [SlotDecoder(cfg, batch=batch, kv_heads=heads, group=group, dim=dim, capacity=capacity, dtype=dtype, device="cpu",
+    decs = [SlotDecoder(cfg, batch=batch, kv_heads=heads, group=group, dim=dim, capacity=capacity, dtype=dtype, device=DEVICE,
                         eviction=eviction, seed=3, fused=fused) for fused in (False, True)]
     n0 = int(lengths.max())
     keys = torch.ones(batch, heads, n0, dim, dtype=dtype) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
     values = torch.ones_like(keys) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
     for d in decs:
-        d.prefill(keys, values, lengths)
+        d.prefill(keys.to(DEVICE), values.to(DEVICE), lengths.to(DEVICE))
     for i in range(steps):
         # same_keys: q = 0 too, so every logit is exactly 0 (a dot's rounding can differ between columns)
         q = torch.zeros(batch, heads * group, dim, dtype=dtype) if same_keys else torch.randn(batch, heads * group, dim, dtype=dtype)
         k_new = torch.ones(batch, heads, dim, dtype=dtype) if same_keys else torch.randn(batch, heads, dim, dtype=dtype)
         v_new = torch.ones_like(k_new) if same_keys else torch.randn(batch, heads, dim, dtype=dtype)
+        q, k_new, v_new = q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE)
         yield decs, q, [d.step(q, k_new, v_new) for d in decs]
 
 
@@ -75,9 +77,9 @@ def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound():
     prev = None
     for decs, q, (_, out) in _pair(cfg, torch.tensor([300, 211]), heads=2, group=4, dim=32, steps=24, dtype=torch.bfloat16, seed=1):
         dec = decs[1]
-        sel = dec.last_selected
+        sel = dec.last_selected.cpu()
         if prev is not None:
-            stable = ((dec.lengths - 1) % cfg.block != 0)[:, None].expand(-1, sel.shape[1])
+            stable = ((dec.lengths.cpu() - 1) % cfg.block != 0)[:, None].expand(-1, sel.shape[1])
             assert bool(((sel & prev).sum(-1)[stable] >= cfg.k - cfg.k_q).all())
         prev = sel
         for b in range(2):
@@ -86,8 +88,8 @@ def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound():
                 assert resident == sel[b, h].nonzero().flatten().tolist()
                 for slot, blk in enumerate(dec.slot_map[b, h].tolist()):
                     if blk >= 0:
-                        assert torch.equal(dec.slots_k[b, h, slot * 16:(slot + 1) * 16], dec.keys_host[b, h, blk * 16:(blk + 1) * 16])
-                        assert torch.equal(dec.slots_v[b, h, slot * 16:(slot + 1) * 16], dec.values_host[b, h, blk * 16:(blk + 1) * 16])
+                        assert torch.equal(dec.slots_k[b, h, slot * 16:(slot + 1) * 16].cpu(), dec.keys_host[b, h, blk * 16:(blk + 1) * 16])
+                        assert torch.equal(dec.slots_v[b, h, slot * 16:(slot + 1) * 16].cpu(), dec.values_host[b, h, blk * 16:(blk + 1) * 16])
         mask, want = dec.scratch.mask.view(2, 2, 1, -1), dec._mask(q)
         assert torch.equal(torch.isinf(mask), torch.isinf(want))
         # the bias within one bf16 step: the interpreter's float32 -> bf16 cast need not round as torch's does
