@@ -183,11 +183,12 @@ def test_attend_boundary_in_place_equals_the_gathered_composition(kind):
         o, l = block_sparse_attention_torch(q_r, k_r, v_r, index, scale=SCALE, row_pos=region.row_pos)
         parts.append((region, o, l))
     composed, _ = boundary.compose(parts, n)
-    assert relative_error(out, composed) < 1e-5
+    floor = error_floor(torch.float32, DEVICE)  # the runtime's path is the Triton kernel on a GPU (TF32 dots)
+    assert relative_error(out, composed) < floor
     dense_out = torch.full_like(q, float("nan"))
     attend_boundary(((0, kind), (1, kind)), _groups("dense", dense.DenseParams()), q, k, v, ids, "kv", SCALE, dense_out)
     ref, _ = masked_attention(q, k, v, scale=SCALE)  # dense regions compose to causal attention
-    assert relative_error(dense_out, ref) < 1e-5
+    assert relative_error(dense_out, ref) < floor
 
 
 def test_run_region_leaves_the_inputs_alone_and_returns_region_rows():

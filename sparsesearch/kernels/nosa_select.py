@@ -1,29 +1,29 @@
-"""NOSA's per-step selection and slot map in one launch (paper 004 Eq. 3-5, nosa/selection.py's reading).
+"""NOSA's per-step selection and slot map in five launches (paper 004 Eq. 3-5, nosa/selection.py's reading).
 
 The torch path of a decode step (nosa/device.py) spends some 80 small launches per layer on selection:
 query scores, block pooling, two stable sorts, the slot-map set difference, the attention mask. At batch
-16 that fixed cost was most of an 8B step on an H200 (benchmarks/RESULTS.md). Here one program per
-(sequence, KV head) runs every phase on data it alone owns, with scratch rows in global memory and a
-barrier between phases (the program's warps exchange through them):
+16 that fixed cost was most of an 8B step on an H200 (benchmarks/RESULTS.md). Here every phase is one
+launch over (sequence, KV head) pairs and, where the phase allows, chunks of units or blocks, so that a
+small batch still fills the GPU (one program per pair ran the phases one after another: 180 µs per
+layer at 32K, batch 16, on an H200):
 
-1. logits of the G query heads against the seen compressed keys (one ``tl.dot`` per tile, the keys read
-   once at HBM rate), online max / sum per head; logits kept in scratch;
-2. softmax per head, summed over the group -> per-unit probability;
-3. max-pool to blocks over units [r·j - 1, r·j + r - 1]; sink and window blocks forced (+inf);
-4. the query-aware set: rank of each valid block by (score desc, index asc), counted against every other
-   valid block (exact on ties, the stable sort's order); rank < n_init + n_win + k_q;
-5. the selected set: the same ranking of the frozen query-agnostic scores with the query-aware set forced,
-   rank < k;
-6. slot map by set difference: a slot whose block stays selected keeps it, the others are freed;
-7. the i-th missing block (block order) goes to the i-th free slot (slot order) for i < ``ranks``; the fetch
-   list (host block row, slot row) is written for the UVA gather (kernels/gather.py), misses past
-   ``ranks`` are counted as dropped;
-8. the attention's additive mask over slots and tail: 0 (or the eviction score, ED-DMA's logit bias) on
-   resident tokens, -inf elsewhere.
+1. ``_logits_kernel`` (pair, unit chunk): logits of the G query heads against BM compressed keys (one
+   ``tl.dot``, the keys read once), kept in scratch, with the chunk's max and sum of exp per head;
+2. ``_block_scores_kernel`` (pair, block chunk): each head's softmax normaliser from the chunk stats, the
+   group-summed probability max-pooled over units [r·j - 1, r·j + r - 1]; sink and window forced (+inf);
+3. ``_aware_kernel`` (pair, block chunk): the query-aware set, by each block's rank among the valid
+   blocks in (score desc, index asc) order, counted against every other valid block (exact on ties: the
+   stable sort's order); rank < n_init + n_win + k_q; the agnostic keys with that set forced;
+4. ``_selected_kernel`` (pair, block chunk): the selected set, rank < k, by the same counting;
+5. ``_slot_map_kernel`` (pair): a slot whose block stays selected keeps it, the others are freed; the
+   i-th missing block (block order) goes to the i-th free slot (slot order) for i < ``ranks``, written as
+   the fetch list (host block row, slot row) for the UVA gather (kernels/gather.py), misses past
+   ``ranks`` counted as dropped; then the attention's additive mask over slots and tail: 0 (or the
+   eviction score, ED-DMA's logit bias) on resident tokens, -inf elsewhere.
 
-Ranking by counting is O(valid blocks²) per program; at 32K context and block 64 that is 512² compares,
-far below the bytes phase 1 reads. Static shapes throughout, no host sync: a step stays CUDA-graph
-capturable. Tensors are contiguous; shapes are those of nosa/device.py's SlotDecoder.
+Ranking by counting costs O(valid blocks) per block; at 32K context and block 64, 512 compares per
+block, split over the block chunks' programs. Static shapes throughout, no host sync: a step stays
+CUDA-graph capturable. Tensors are contiguous; shapes are those of nosa/device.py's SlotDecoder.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ BLOCK_BLOCKS = 64  # blocks per ranking tile (both sides)
 @triton.jit
 def _rank_below(keys, base, jj, kj, n_valid, BB: tl.constexpr):
     """For blocks jj [BB] with keys kj: how many valid blocks i < n_valid outrank them by (key desc, index
-    asc). keys + base: the program's key row."""
+    asc). keys + base: the pair's key row."""
     rank = tl.zeros([BB], dtype=tl.int32)
     for i0 in range(0, n_valid, BB):
         ii = i0 + tl.arange(0, BB)
@@ -51,108 +51,146 @@ def _rank_below(keys, base, jj, kj, n_valid, BB: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(
-    units, q, lengths, se, scores, slot_map,  # inputs; slot_map is updated in place
-    logits, unit_p, key_q, key_e, sel, in_map, free_slot,  # per-program scratch rows
-    fetch_src, fetch_dst, mask, counters,  # outputs
-    kv_heads, n_units_cap, n_blocks, k, ranks, count_qa, n_init, n_win, capacity, scale,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr, KP: tl.constexpr,
-    RATIO: tl.constexpr, RP: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr,
-    BIAS: tl.constexpr, IEEE: tl.constexpr,
-):
-    pid = tl.program_id(0)  # b * kv_heads + h
-    b = pid // kv_heads
-    length = tl.load(lengths + b).to(tl.int32)
+def _frame(lengths, pid, kv_heads, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+    """The pair's sequence length, seen compressed keys and tail block."""
+    length = tl.load(lengths + pid // kv_heads).to(tl.int32)
     n_seen = tl.where(length >= KERNEL, (length - KERNEL) // STRIDE + 1, 0)
-    tail = (length - 1) // BS  # the block holding the current token: its own slot, outside the budget
-    row_u = pid.to(tl.int64) * n_units_cap
-    row_b = pid.to(tl.int64) * n_blocks
+    return length, n_seen, (length - 1) // BS
+
+
+@triton.jit
+def _logits_kernel(units, q, lengths, logits, stats, kv_heads, n_units_cap, n_chunks, scale,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                   KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
+    """Program (pair, chunk): logits [G, BM] of the group's query heads against BM compressed keys (one
+    dot, the keys read once), kept in scratch, and the chunk's max and sum of exp per head."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
+    mm = c * BM + tl.arange(0, BM)
+    live = mm < n_seen
     neg = float("-inf")
-
-    # 1. logits [G, seen units], online max / sum per query head
-    qv = tl.load(q + (pid.to(tl.int64) * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
-    qv = qv.to(units.dtype.element_ty)
     mx = tl.full([GP], neg, tl.float32)
     sm = tl.zeros([GP], tl.float32)
-    for m0 in range(0, n_seen, BM):
-        mm = m0 + tl.arange(0, BM)
-        live = mm < n_seen
-        u = tl.load(units + (row_u + mm[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    if c * BM < n_seen:
+        qv = tl.load(q + (pid.to(tl.int64) * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0).to(units.dtype.element_ty)
+        u = tl.load(units + (pid.to(tl.int64) * n_units_cap + mm[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
         if IEEE:
             s = tl.dot(qv, tl.trans(u), input_precision="ieee") * scale
         else:
             s = tl.dot(qv, tl.trans(u)) * scale
         s = tl.where(live[None, :], s, neg)
         tl.store(logits + (pid.to(tl.int64) * GP + g[:, None]) * n_units_cap + mm[None, :], s, mask=live[None, :])
-        new = tl.maximum(mx, tl.max(s, axis=1))
-        shift = tl.where(new == neg, 0.0, new)  # no unit yet: keep exp() away from -inf - -inf
-        sm = sm * tl.exp(mx - shift) + tl.sum(tl.exp(s - shift[:, None]), axis=1)
-        mx = new
-    tl.debug_barrier()
+        mx = tl.max(s, axis=1)
+        sm = tl.sum(tl.exp(s - mx[:, None]), axis=1)
+    row = (pid.to(tl.int64) * n_chunks + c) * GP + g
+    tl.store(stats + 2 * row, mx)
+    tl.store(stats + 2 * row + 1, sm)
 
-    # 2. per-unit probability: softmax per head, summed over the group's real heads
-    shift = tl.where(mx == neg, 0.0, mx)
-    inv = tl.where(sm > 0, 1.0 / sm, 0.0)
-    for m0 in range(0, n_seen, BM):
-        mm = m0 + tl.arange(0, BM)
-        live = mm < n_seen
-        s = tl.load(logits + (pid.to(tl.int64) * GP + g[:, None]) * n_units_cap + mm[None, :],
-                    mask=(g[:, None] < G) & live[None, :], other=neg)
-        p = tl.sum(tl.exp(s - shift[:, None]) * inv[:, None], axis=0)
-        tl.store(unit_p + row_u + mm, p, mask=live)
-    tl.debug_barrier()
 
-    # 3. block scores: max over units [r·j - 1, r·j + r - 1], sink and window forced
-    t = tl.arange(0, RP)
-    for j0 in range(0, tail, BB):
-        jj = j0 + tl.arange(0, BB)
+@triton.jit
+def _block_scores_kernel(logits, stats, lengths, key_q, kv_heads, n_units_cap, n_blocks, n_chunks, n_init, n_win,
+                         G: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr, BB: tl.constexpr, RATIO: tl.constexpr,
+                         RP: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+    """Program (pair, block chunk): each head's softmax normaliser from the chunks' stats, then for blocks
+    jj the group-summed probability max-pooled over units [r·j - 1, r·j + r - 1]; sink and window blocks
+    forced to +inf. Blocks at or past the tail are not candidates and are left alone."""
+    pid = tl.program_id(0)
+    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
+    jj = tl.program_id(1) * BB + tl.arange(0, BB)
+    if tl.program_id(1) * BB < tail:
+        neg = float("-inf")
+        cc = tl.arange(0, CP)
+        g = tl.arange(0, GP)
+        at = ((pid.to(tl.int64) * n_chunks + cc[:, None]) * GP + g[None, :]) * 2
+        c_ok = cc[:, None] < n_chunks
+        cmx = tl.load(stats + at, mask=c_ok, other=neg)
+        csm = tl.load(stats + at + 1, mask=c_ok, other=0.0)
+        mx = tl.max(cmx, axis=0)
+        shift = tl.where(mx == neg, 0.0, mx)
+        total = tl.sum(csm * tl.exp(cmx - shift[None, :]), axis=0)  # [GP]
+        t = tl.arange(0, RP)
         um = jj[:, None] * RATIO - 1 + t[None, :]
         ok = (t[None, :] <= RATIO) & (um >= 0) & (um < n_seen)
-        sq = tl.max(tl.load(unit_p + row_u + um, mask=ok, other=neg), axis=1)
+        p = tl.zeros([BB, RP], tl.float32)
+        for h in tl.static_range(G):
+            m_h = tl.sum(tl.where(g == h, shift, 0.0), axis=0)
+            inv = tl.sum(tl.where(g == h, tl.where(total > 0, 1.0 / total, 0.0), 0.0), axis=0)
+            lg = tl.load(logits + (pid.to(tl.int64) * GP + h) * n_units_cap + um, mask=ok, other=neg)
+            p += tl.exp(lg - m_h) * inv
+        sq = tl.max(tl.where(ok, p, neg), axis=1)
         forced = (jj < n_init) | (jj >= tail - n_win)
-        tl.store(key_q + row_b + jj, tl.where(forced, float("inf"), sq), mask=jj < tail)
-    tl.debug_barrier()
+        tl.store(key_q + pid.to(tl.int64) * n_blocks + jj, tl.where(forced, float("inf"), sq), mask=jj < tail)
 
-    # 4. query-aware set by rank; the agnostic keys with it forced
-    for j0 in range(0, tail, BB):
-        jj = j0 + tl.arange(0, BB)
-        valid = jj < tail
-        kj = tl.load(key_q + row_b + jj, mask=valid, other=neg)
-        aware = valid & (_rank_below(key_q, row_b, jj, kj, tail, BB) < count_qa)
-        e = tl.load(se + row_b + jj, mask=valid, other=neg)
-        tl.store(key_e + row_b + jj, tl.where(aware, float("inf"), e), mask=valid)
-    tl.debug_barrier()
 
-    # 5. selected set (every block row written: blocks past the tail are unselected); in_map cleared
-    for j0 in range(0, n_blocks, BB):
-        jj = j0 + tl.arange(0, BB)
+@triton.jit
+def _aware_kernel(key_q, se, key_e, lengths, kv_heads, n_blocks, count_qa,
+                  BB: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+    """Program (pair, block chunk): the query-aware set (rank by query score < n_init + n_win + k_q) and
+    the agnostic keys with it forced to +inf."""
+    pid = tl.program_id(0)
+    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
+    jj = tl.program_id(1) * BB + tl.arange(0, BB)
+    if tl.program_id(1) * BB < tail:
+        row = pid.to(tl.int64) * n_blocks
         valid = jj < tail
-        kj = tl.load(key_e + row_b + jj, mask=valid, other=neg)
-        chosen = valid & (_rank_below(key_e, row_b, jj, kj, tail, BB) < k)
-        tl.store(sel + row_b + jj, chosen.to(tl.int8), mask=jj < n_blocks)
-        tl.store(in_map + row_b + jj, tl.zeros([BB], tl.int8), mask=jj < n_blocks)
+        kj = tl.load(key_q + row + jj, mask=valid, other=float("-inf"))
+        aware = valid & (_rank_below(key_q, row, jj, kj, tail, BB) < count_qa)
+        e = tl.load(se + row + jj, mask=valid, other=float("-inf"))
+        tl.store(key_e + row + jj, tl.where(aware, float("inf"), e), mask=valid)
+
+
+@triton.jit
+def _selected_kernel(key_e, sel, in_map, lengths, kv_heads, n_blocks, k,
+                     BB: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+    """Program (pair, block chunk): the selected set (rank by the forced agnostic keys < k) over every block
+    row (past the tail: unselected); in_map cleared for the slot-map kernel."""
+    pid = tl.program_id(0)
+    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
+    jj = tl.program_id(1) * BB + tl.arange(0, BB)
+    row = pid.to(tl.int64) * n_blocks
+    valid = jj < tail
+    chosen = valid
+    if tl.program_id(1) * BB < tail:
+        kj = tl.load(key_e + row + jj, mask=valid, other=float("-inf"))
+        chosen = valid & (_rank_below(key_e, row, jj, kj, tail, BB) < k)
+    tl.store(sel + row + jj, chosen.to(tl.int8), mask=jj < n_blocks)
+    tl.store(in_map + row + jj, tl.zeros([BB], tl.int8), mask=jj < n_blocks)
+
+
+@triton.jit
+def _slot_map_kernel(lengths, scores, slot_map, sel, in_map, free_slot, fetch_src, fetch_dst, mask, counters,
+                     kv_heads, n_blocks, k, ranks, capacity,
+                     BB: tl.constexpr, KP: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr,
+                     BIAS: tl.constexpr):
+    """Program (pair): slot map by set difference, the fetch list, the counters and the attention mask."""
+    pid = tl.program_id(0)
+    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
+    row_b = pid.to(tl.int64) * n_blocks
+    row_k = pid.to(tl.int64) * k
+    row_r = pid.to(tl.int64) * ranks
+    neg = float("-inf")
     s_ids = tl.arange(0, KP)
     r_ok = s_ids < ranks
-    tl.store(fetch_src + pid.to(tl.int64) * ranks + s_ids, tl.full([KP], -1, tl.int64), mask=r_ok)
-    tl.store(fetch_dst + pid.to(tl.int64) * ranks + s_ids, tl.full([KP], -1, tl.int64), mask=r_ok)
-    tl.debug_barrier()
+    tl.store(fetch_src + row_r + s_ids, tl.full([KP], -1, tl.int64), mask=r_ok)
+    tl.store(fetch_dst + row_r + s_ids, tl.full([KP], -1, tl.int64), mask=r_ok)
 
-    # 6. slots whose block stays selected keep it; the rest are freed, ranked in slot order
+    # slots whose block stays selected keep it; the rest are freed, ranked in slot order
     s_live = s_ids < k
-    old = tl.load(slot_map + pid.to(tl.int64) * k + s_ids, mask=s_live, other=-1)
+    old = tl.load(slot_map + row_k + s_ids, mask=s_live, other=-1)
     safe = tl.where(old >= 0, old, 0)
     still = tl.load(sel + row_b + safe, mask=s_live & (old >= 0), other=0)
     keep = s_live & (old >= 0) & (still != 0)
     tl.store(in_map + row_b + safe, tl.full([KP], 1, tl.int8), mask=keep)
     free = (s_live & ~keep).to(tl.int32)
     free_rank = tl.cumsum(free, axis=0) - free
-    tl.store(free_slot + pid.to(tl.int64) * k + free_rank, s_ids, mask=free != 0)
-    tl.store(slot_map + pid.to(tl.int64) * k + s_ids, tl.where(keep, old, -1), mask=s_live)
-    tl.debug_barrier()
+    tl.store(free_slot + row_k + free_rank, s_ids, mask=free != 0)
+    tl.store(slot_map + row_k + s_ids, tl.where(keep, old, -1), mask=s_live)
+    tl.debug_barrier()  # the program's warps exchange in_map, free_slot and slot_map through memory
 
-    # 7. the i-th missing block (block order) -> the i-th free slot, for i < ranks; the rest are dropped
+    # the i-th missing block (block order) -> the i-th free slot, for i < ranks; the rest are dropped
     carry = 0
     for j0 in range(0, tail, BB):
         jj = j0 + tl.arange(0, BB)
@@ -162,22 +200,22 @@ def _select_kernel(
         miss = (valid & (chosen != 0) & (there == 0)).to(tl.int32)
         rank = carry + tl.cumsum(miss, axis=0) - miss
         take = (miss != 0) & (rank < ranks)
-        slot = tl.load(free_slot + pid.to(tl.int64) * k + rank, mask=take, other=0)
-        tl.store(fetch_src + pid.to(tl.int64) * ranks + rank, row_b + jj, mask=take)
-        tl.store(fetch_dst + pid.to(tl.int64) * ranks + rank, pid.to(tl.int64) * (k + 1) + slot, mask=take)
-        tl.store(slot_map + pid.to(tl.int64) * k + slot, jj.to(tl.int64), mask=take)
+        slot = tl.load(free_slot + row_k + rank, mask=take, other=0)
+        tl.store(fetch_src + row_r + rank, row_b + jj, mask=take)
+        tl.store(fetch_dst + row_r + rank, pid.to(tl.int64) * (k + 1) + slot, mask=take)
+        tl.store(slot_map + row_k + slot, jj.to(tl.int64), mask=take)
         carry += tl.sum(miss, axis=0)
     tl.atomic_add(counters, tl.minimum(carry, ranks).to(tl.int64))
     tl.atomic_add(counters + 1, tl.maximum(carry - ranks, 0).to(tl.int64))
     tl.debug_barrier()
 
-    # 8. additive mask over the k slots and the tail slot: bias (or 0) on resident tokens, -inf elsewhere
+    # additive mask over the k slots and the tail slot: bias (or 0) on resident tokens, -inf elsewhere
     o = tl.arange(0, BS)
     width = (k + 1) * BS
     row_s = pid.to(tl.int64) * capacity
     for s0 in range(0, k, KP):
         ss = s0 + tl.arange(0, KP)
-        blk = tl.load(slot_map + pid.to(tl.int64) * k + ss, mask=ss < k, other=-1)
+        blk = tl.load(slot_map + row_k + ss, mask=ss < k, other=-1)
         tok = tl.where(blk >= 0, blk, 0)[:, None] * BS + o[None, :]
         if BIAS:
             val = tl.load(scores + row_s + tok, mask=(blk >= 0)[:, None], other=0.0)
@@ -201,7 +239,7 @@ class SelectScratch:
         gp = max(16, triton.next_power_of_2(group))  # tl.dot's smallest tile side
         f32 = dict(dtype=torch.float32, device=device)
         self.logits = torch.empty(pairs, gp, max(n_units, 1), **f32)
-        self.unit_p = torch.empty(pairs, max(n_units, 1), **f32)
+        self.stats = torch.empty(pairs, triton.cdiv(max(n_units, 1), BLOCK_UNITS), gp, 2, **f32)  # per chunk and head: max, sum of exp
         self.key_q = torch.empty(pairs, n_blocks, **f32)
         self.key_e = torch.empty(pairs, n_blocks, **f32)
         self.sel = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
@@ -214,11 +252,11 @@ class SelectScratch:
 
     def fits(self, pairs: int, group: int, n_units: int, n_blocks: int, k: int, block: int, dtype: torch.dtype) -> bool:
         """Whether a decoder of this shape can use these buffers."""
-        return (self.unit_p.shape == (pairs, max(n_units, 1)) and self.sel.shape == (pairs, n_blocks) and self.free_slot.shape[1] == k
+        return (self.logits.shape[::2] == (pairs, max(n_units, 1)) and self.sel.shape == (pairs, n_blocks) and self.free_slot.shape[1] == k
                 and self.mask.shape[1] == (k + 1) * block and self.mask.dtype == dtype and self.group_pad == max(16, triton.next_power_of_2(group)))
 
     def nbytes(self) -> int:
-        tensors = [self.logits, self.unit_p, self.key_q, self.key_e, self.sel, self.in_map, self.free_slot, self.mask]
+        tensors = [self.logits, self.stats, self.key_q, self.key_e, self.sel, self.in_map, self.free_slot, self.mask]
         return sum(t.numel() * t.element_size() for t in tensors + [x for pair in self.fetch.values() for x in pair])
 
     def fetch_lists(self, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,13 +293,16 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
     kp = triton.next_power_of_2(max(k, ranks, 1))
     src, dst = scratch.fetch_lists(ranks)
     pairs = batch * kv_heads
-    _select_kernel[(pairs,)](
-        units, q, lengths, se, scores, slot_map,
-        scratch.logits, scratch.unit_p, scratch.key_q, scratch.key_e, scratch.sel, scratch.in_map, scratch.free_slot,
-        src, dst, scratch.mask, counters,
-        kv_heads, scratch.unit_p.shape[1], n_blocks, k, ranks, n_init + n_win + k_q, n_init, n_win, scores.shape[-1], scale,
-        G=group, GP=scratch.group_pad, D=dim, BM=BLOCK_UNITS, BB=BLOCK_BLOCKS, KP=kp, RATIO=ratio,
-        RP=triton.next_power_of_2(ratio + 1), KERNEL=kernel, STRIDE=stride, BS=block, BIAS=bias,
-        IEEE=units.dtype == torch.float32, num_warps=4,
-    )
+    cap_units, n_chunks = scratch.logits.shape[2], scratch.stats.shape[1]
+    frame = dict(KERNEL=kernel, STRIDE=stride, BS=block)
+    block_chunks = triton.cdiv(n_blocks, BLOCK_BLOCKS)
+    _logits_kernel[(pairs, n_chunks)](units, q, lengths, scratch.logits, scratch.stats, kv_heads, cap_units, n_chunks, scale,
+                                      G=group, GP=scratch.group_pad, D=dim, BM=BLOCK_UNITS, IEEE=units.dtype == torch.float32, **frame)
+    _block_scores_kernel[(pairs, block_chunks)](scratch.logits, scratch.stats, lengths, scratch.key_q, kv_heads, cap_units, n_blocks, n_chunks,
+                                                n_init, n_win, G=group, GP=scratch.group_pad, CP=triton.next_power_of_2(n_chunks),
+                                                BB=BLOCK_BLOCKS, RATIO=ratio, RP=triton.next_power_of_2(ratio + 1), **frame)
+    _aware_kernel[(pairs, block_chunks)](scratch.key_q, se, scratch.key_e, lengths, kv_heads, n_blocks, n_init + n_win + k_q, BB=BLOCK_BLOCKS, **frame)
+    _selected_kernel[(pairs, block_chunks)](scratch.key_e, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, k, BB=BLOCK_BLOCKS, **frame)
+    _slot_map_kernel[(pairs,)](lengths, scores, slot_map, scratch.sel, scratch.in_map, scratch.free_slot, src, dst, scratch.mask, counters,
+                               kv_heads, n_blocks, k, ranks, scores.shape[-1], BB=BLOCK_BLOCKS, KP=kp, BIAS=bias, **frame)
     return src, dst
