@@ -108,3 +108,18 @@ def test_fused_selection_refuses_shapes_it_cannot_tile():
         select_and_map(*args, **kw)
     with pytest.raises(ValueError, match="block 40 must be a multiple of the pooling stride 16"):
         select_and_map(*args, **{**kw, "block": 40})
+
+
+def test_narrow_tiles_give_the_same_steps(monkeypatch):
+    """Tiles narrower than the rows (several unit chunks, block chunks and rank loads per pair): the
+    chunked softmax merge and the rank loop over several loads give the torch path's steps."""
+    from sparsesearch.kernels import nosa_select
+
+    for name, value in (("BLOCK_UNITS", 16), ("BLOCK_BLOCKS", 16), ("RANK_ROWS", 16), ("RANK_COLS", 16)):
+        monkeypatch.setattr(nosa_select, name, value)
+    cfg = NosaConfig(block=16, k=12, k_q=4, n_init=1, n_win=2, proxy="trained")
+    for decs, _, (plain, fused) in _pair(cfg, torch.tensor([700, 515]), group=4, steps=6):
+        assert torch.equal(decs[0].last_selected, decs[1].last_selected)
+        assert torch.equal(decs[0].slot_map, decs[1].slot_map)
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert decs[1].scratch.stats.shape[1] > 1

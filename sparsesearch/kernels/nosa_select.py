@@ -33,16 +33,19 @@ import triton
 import triton.language as tl
 
 BLOCK_UNITS = 64  # compressed keys per phase-1 tile
-BLOCK_BLOCKS = 64  # blocks per ranking tile (both sides)
+BLOCK_BLOCKS = 64  # blocks per block-score program
+RANK_ROWS = 32  # blocks ranked per program
+RANK_COLS = 1024  # keys compared per load (the whole row up to 64K tokens at block 64)
 
 
 @triton.jit
-def _rank_below(keys, base, jj, kj, n_valid, BB: tl.constexpr):
-    """For blocks jj [BB] with keys kj: how many valid blocks i < n_valid outrank them by (key desc, index
-    asc). keys + base: the pair's key row."""
-    rank = tl.zeros([BB], dtype=tl.int32)
-    for i0 in range(0, n_valid, BB):
-        ii = i0 + tl.arange(0, BB)
+def _rank_below(keys, base, jj, kj, n_valid, BJ: tl.constexpr, BI: tl.constexpr):
+    """For blocks jj [BJ] with keys kj: how many valid blocks i < n_valid outrank them by (key desc, index
+    asc). keys + base: the pair's key row. BI keys per load: wide, so a row is one or two loads (the
+    loop's load latency, not the compares, bounded a narrow version)."""
+    rank = tl.zeros([BJ], dtype=tl.int32)
+    for i0 in range(0, n_valid, BI):
+        ii = i0 + tl.arange(0, BI)
         ki = tl.load(keys + base + ii, mask=ii < n_valid, other=float("-inf"))
         beats = (ki[None, :] > kj[:, None]) | ((ki[None, :] == kj[:, None]) & (ii[None, :] < jj[:, None]))
         beats = beats & (ii[None, :] < n_valid)
@@ -127,7 +130,7 @@ def _block_scores_kernel(logits, stats, lengths, key_q, kv_heads, n_units_cap, n
 
 @triton.jit
 def _aware_kernel(key_q, se, key_e, lengths, kv_heads, n_blocks, count_qa,
-                  BB: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+                  BB: tl.constexpr, BI: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
     """Program (pair, block chunk): the query-aware set (rank by query score < n_init + n_win + k_q) and
     the agnostic keys with it forced to +inf."""
     pid = tl.program_id(0)
@@ -137,14 +140,14 @@ def _aware_kernel(key_q, se, key_e, lengths, kv_heads, n_blocks, count_qa,
         row = pid.to(tl.int64) * n_blocks
         valid = jj < tail
         kj = tl.load(key_q + row + jj, mask=valid, other=float("-inf"))
-        aware = valid & (_rank_below(key_q, row, jj, kj, tail, BB) < count_qa)
+        aware = valid & (_rank_below(key_q, row, jj, kj, tail, BB, BI) < count_qa)
         e = tl.load(se + row + jj, mask=valid, other=float("-inf"))
         tl.store(key_e + row + jj, tl.where(aware, float("inf"), e), mask=valid)
 
 
 @triton.jit
 def _selected_kernel(key_e, sel, in_map, lengths, kv_heads, n_blocks, k,
-                     BB: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+                     BB: tl.constexpr, BI: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
     """Program (pair, block chunk): the selected set (rank by the forced agnostic keys < k) over every block
     row (past the tail: unselected); in_map cleared for the slot-map kernel."""
     pid = tl.program_id(0)
@@ -155,7 +158,7 @@ def _selected_kernel(key_e, sel, in_map, lengths, kv_heads, n_blocks, k,
     chosen = valid
     if tl.program_id(1) * BB < tail:
         kj = tl.load(key_e + row + jj, mask=valid, other=float("-inf"))
-        chosen = valid & (_rank_below(key_e, row, jj, kj, tail, BB) < k)
+        chosen = valid & (_rank_below(key_e, row, jj, kj, tail, BB, BI) < k)
     tl.store(sel + row + jj, chosen.to(tl.int8), mask=jj < n_blocks)
     tl.store(in_map + row + jj, tl.zeros([BB], tl.int8), mask=jj < n_blocks)
 
@@ -296,13 +299,15 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
     cap_units, n_chunks = scratch.logits.shape[2], scratch.stats.shape[1]
     frame = dict(KERNEL=kernel, STRIDE=stride, BS=block)
     block_chunks = triton.cdiv(n_blocks, BLOCK_BLOCKS)
+    rank_chunks, wide = triton.cdiv(n_blocks, RANK_ROWS), min(triton.next_power_of_2(n_blocks), RANK_COLS)
     _logits_kernel[(pairs, n_chunks)](units, q, lengths, scratch.logits, scratch.stats, kv_heads, cap_units, n_chunks, scale,
                                       G=group, GP=scratch.group_pad, D=dim, BM=BLOCK_UNITS, IEEE=units.dtype == torch.float32, **frame)
     _block_scores_kernel[(pairs, block_chunks)](scratch.logits, scratch.stats, lengths, scratch.key_q, kv_heads, cap_units, n_blocks, n_chunks,
                                                 n_init, n_win, G=group, GP=scratch.group_pad, CP=triton.next_power_of_2(n_chunks),
                                                 BB=BLOCK_BLOCKS, RATIO=ratio, RP=triton.next_power_of_2(ratio + 1), **frame)
-    _aware_kernel[(pairs, block_chunks)](scratch.key_q, se, scratch.key_e, lengths, kv_heads, n_blocks, n_init + n_win + k_q, BB=BLOCK_BLOCKS, **frame)
-    _selected_kernel[(pairs, block_chunks)](scratch.key_e, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, k, BB=BLOCK_BLOCKS, **frame)
+    _aware_kernel[(pairs, rank_chunks)](scratch.key_q, se, scratch.key_e, lengths, kv_heads, n_blocks, n_init + n_win + k_q,
+                                        BB=RANK_ROWS, BI=wide, **frame)
+    _selected_kernel[(pairs, rank_chunks)](scratch.key_e, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, k, BB=RANK_ROWS, BI=wide, **frame)
     _slot_map_kernel[(pairs,)](lengths, scores, slot_map, scratch.sel, scratch.in_map, scratch.free_slot, src, dst, scratch.mask, counters,
                                kv_heads, n_blocks, k, ranks, scores.shape[-1], BB=BLOCK_BLOCKS, KP=kp, BIAS=bias, **frame)
     return src, dst
