@@ -1,4 +1,4 @@
-"""The fused NOSA selection kernel (kernels/nosa_select.py, through SlotDecoder(fused=True)) against the
+"""The fused NOSA step (kernels/nosa_select.py and nosa_append.py, through SlotDecoder(fused=True)) against the
 torch path of the same decoder, which tests/test_nosa_device.py checks against brute force: the same
 selected blocks, slot map, fetch counts and attention output at every step, over block starts, several
 tiles of units and blocks, GQA groups that pad the dot, batches of different lengths, exact ties, and the
@@ -54,6 +54,15 @@ def test_fused_step_equals_the_torch_path(proxy, block, k, k_q, lengths, group):
         assert torch.equal(decs[0].last_selected, decs[1].last_selected)
         assert torch.equal(decs[0].slot_map, decs[1].slot_map)
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+        # the fused append wrote the token where the torch path does (kernels/nosa_append.py)
+        for name in ("slots_k", "slots_v", "ring"):
+            assert torch.equal(getattr(decs[0], name), getattr(decs[1], name)), name
+        for b, n in enumerate(decs[0].lengths.tolist()):  # the stores are uninitialised past each length
+            assert torch.equal(decs[0].keys_host[b, :, :n], decs[1].keys_host[b, :, :n])
+            assert torch.equal(decs[0].values_host[b, :, :n], decs[1].values_host[b, :, :n])
+        torch.testing.assert_close(decs[1].units, decs[0].units, rtol=1e-6, atol=1e-6)
+        for b, n in enumerate(decs[0].lengths.tolist()):
+            torch.testing.assert_close(decs[1].scores[b, :, :n], decs[0].scores[b, :, :n], rtol=1e-6, atol=1e-6)
     assert torch.equal(decs[0].counters, decs[1].counters) and int(decs[1].dropped) == 0
 
 
@@ -123,3 +132,14 @@ def test_narrow_tiles_give_the_same_steps(monkeypatch):
         assert torch.equal(decs[0].slot_map, decs[1].slot_map)
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     assert decs[1].scratch.stats.shape[1] > 1
+
+
+def test_fused_append_refuses_what_it_cannot_score_or_tile():
+    from sparsesearch.kernels.nosa_append import append_token
+
+    x = torch.zeros(1, 1, 24)
+    kw = dict(eviction=None, seed=0, block=32, kernel=32, stride=16)
+    with pytest.raises(ValueError, match="the fused append scores trained, vnorm, random, got proxy 'snapkv'"):
+        append_token(x, x, torch.zeros(1, dtype=torch.long), *[x] * 7, proxy="snapkv", **kw)
+    with pytest.raises(ValueError, match="head_dim 24 and the pooling kernel 32 must be powers of two"):
+        append_token(x, x, torch.zeros(1, dtype=torch.long), *[x] * 7, proxy="vnorm", **kw)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.gather import gather_blocks
+from ..kernels.nosa_append import append_token
 from ..kernels.nosa_select import SelectScratch, select_and_map
 from .config import NosaConfig
 from .proxies import trained_scores
@@ -196,6 +197,12 @@ class SlotDecoder:
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new/v_new [B, Hkv, D]: the host store (through UVA), the tail slot, score, key ring, units."""
         cfg, bs = self.cfg, self.cfg.block
+        if self.fused:  # one launch (kernels/nosa_append.py) for the ~25 below
+            append_token(k_new, v_new, self.lengths, self.keys_host, self.values_host, self.slots_k, self.slots_v, self.scores, self.ring,
+                         self.units, proxy=cfg.proxy, eviction=self.eviction, seed=self.seed, block=bs, kernel=cfg.kernel, stride=cfg.stride)
+            self.lengths += 1
+            self.host_lengths = [n + 1 for n in self.host_lengths]
+            return
         batch, heads, dim = k_new.shape
         pos = self.lengths  # [B] the new token's position
         rows = torch.arange(batch * heads, device=k_new.device)
