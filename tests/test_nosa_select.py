@@ -120,11 +120,11 @@ def test_fused_selection_refuses_shapes_it_cannot_tile():
 
 
 def test_narrow_tiles_give_the_same_steps(monkeypatch):
-    """Tiles narrower than the rows (several unit chunks, block chunks and rank loads per pair): the
-    chunked softmax merge and the rank loop over several loads give the torch path's steps."""
+    """Tiles narrower than the rows (several unit chunks and block chunks per pair): the chunked softmax
+    merge gives the torch path's steps."""
     from sparsesearch.kernels import nosa_select
 
-    for name, value in (("BLOCK_UNITS", 16), ("BLOCK_BLOCKS", 16), ("RANK_ROWS", 16), ("RANK_COLS", 16)):
+    for name, value in (("BLOCK_UNITS", 16), ("BLOCK_BLOCKS", 16)):
         monkeypatch.setattr(nosa_select, name, value)
     cfg = NosaConfig(block=16, k=12, k_q=4, n_init=1, n_win=2, proxy="trained")
     for decs, _, (plain, fused) in _pair(cfg, torch.tensor([700, 515]), group=4, steps=6):

@@ -1,4 +1,4 @@
-"""NOSA's per-step selection and slot map in five launches (paper 004 Eq. 3-5, nosa/selection.py's reading).
+"""NOSA's per-step selection and slot map in four launches (paper 004 Eq. 3-5, nosa/selection.py's reading).
 
 The torch path of a decode step (nosa/device.py) spends some 80 small launches per layer on selection:
 query scores, block pooling, two stable sorts, the slot-map set difference, the attention mask. At batch
@@ -11,19 +11,19 @@ layer at 32K, batch 16, on an H200):
    ``tl.dot``, the keys read once), kept in scratch, with the chunk's max and sum of exp per head;
 2. ``_block_scores_kernel`` (pair, block chunk): each head's softmax normaliser from the chunk stats, the
    group-summed probability max-pooled over units [r·j - 1, r·j + r - 1]; sink and window forced (+inf);
-3. ``_aware_kernel`` (pair, block chunk): the query-aware set, by each block's rank among the valid
-   blocks in (score desc, index asc) order, counted against every other valid block (exact on ties: the
-   stable sort's order); rank < n_init + n_win + k_q; the agnostic keys with that set forced;
-4. ``_selected_kernel`` (pair, block chunk): the selected set, rank < k, by the same counting;
-5. ``_slot_map_kernel`` (pair): a slot whose block stays selected keeps it, the others are freed; the
+3. ``_select_kernel`` (pair): the query-aware set (the n_init + n_win + k_q best query scores, sink and
+   window forced), then the selected set (the k best agnostic scores with it forced), both by
+   ``_top_mask``: keys in float order as int32, a 32-step bisection for the count-th largest, ties to
+   the lower block index (the stable sort's order); the block row is held in registers;
+4. ``_slot_map_kernel`` (pair): a slot whose block stays selected keeps it, the others are freed; the
    i-th missing block (block order) goes to the i-th free slot (slot order) for i < ``ranks``, written as
    the fetch list (host block row, slot row) for the UVA gather (kernels/gather.py), misses past
    ``ranks`` counted as dropped; then the attention's additive mask over slots and tail: 0 (or the
    eviction score, ED-DMA's logit bias) on resident tokens, -inf elsewhere.
 
-Ranking by counting costs O(valid blocks) per block; at 32K context and block 64, 512 compares per
-block, split over the block chunks' programs. Static shapes throughout, no host sync: a step stays
-CUDA-graph capturable. Tensors are contiguous; shapes are those of nosa/device.py's SlotDecoder.
+Ranking by counting every other block (O(blocks²) per pair) took 30-60 µs per launch at 32K and batch
+16 on an H200 and grew with the batch; the bisection is O(32 · blocks). Static shapes throughout, no
+host sync: a step stays CUDA-graph capturable. Tensors are contiguous; shapes are those of nosa/device.py's SlotDecoder.
 """
 
 from __future__ import annotations
@@ -34,23 +34,28 @@ import triton.language as tl
 
 BLOCK_UNITS = 64  # compressed keys per phase-1 tile
 BLOCK_BLOCKS = 64  # blocks per block-score program
-RANK_ROWS = 32  # blocks ranked per program
-RANK_COLS = 1024  # keys compared per load (the whole row up to 64K tokens at block 64)
 
 
 @triton.jit
-def _rank_below(keys, base, jj, kj, n_valid, BJ: tl.constexpr, BI: tl.constexpr):
-    """For blocks jj [BJ] with keys kj: how many valid blocks i < n_valid outrank them by (key desc, index
-    asc). keys + base: the pair's key row. BI keys per load: wide, so a row is one or two loads (the
-    loop's load latency, not the compares, bounded a narrow version)."""
-    rank = tl.zeros([BJ], dtype=tl.int32)
-    for i0 in range(0, n_valid, BI):
-        ii = i0 + tl.arange(0, BI)
-        ki = tl.load(keys + base + ii, mask=ii < n_valid, other=float("-inf"))
-        beats = (ki[None, :] > kj[:, None]) | ((ki[None, :] == kj[:, None]) & (ii[None, :] < jj[:, None]))
-        beats = beats & (ii[None, :] < n_valid)
-        rank += tl.sum(beats.to(tl.int32), axis=1)
-    return rank
+def _top_mask(key, valid, count, NBP: tl.constexpr):
+    """The ``count`` best valid entries of key [NBP] by (key desc, index asc): bool [NBP], exact on ties.
+
+    Keys map to int32 in float order; a 32-step bisection finds the count-th largest, T; every key above T
+    is in, and of the keys equal to T the lowest indices fill what is left (the stable sort's order).
+    O(32 x NBP) per row, where ranking by counting was O(NBP²)."""
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # int order = float order (no NaN here)
+    lo = tl.full([], -2147483648, tl.int64)  # every valid key is >= lo
+    hi = tl.full([], 2147483648, tl.int64)  # no key is >= hi
+    for _ in tl.static_range(32):
+        mid = (lo + hi) // 2
+        enough = tl.sum((valid & (ordered >= mid)).to(tl.int32), axis=0) >= count
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    above = valid & (ordered > lo)
+    tie = (valid & (ordered == lo)).to(tl.int32)
+    room = count - tl.sum(above.to(tl.int32), axis=0)
+    return above | ((tie != 0) & (tl.cumsum(tie, axis=0) - tie < room))
 
 
 @triton.jit
@@ -129,38 +134,21 @@ def _block_scores_kernel(logits, stats, lengths, key_q, kv_heads, n_units_cap, n
 
 
 @triton.jit
-def _aware_kernel(key_q, se, key_e, lengths, kv_heads, n_blocks, count_qa,
-                  BB: tl.constexpr, BI: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
-    """Program (pair, block chunk): the query-aware set (rank by query score < n_init + n_win + k_q) and
-    the agnostic keys with it forced to +inf."""
+def _select_kernel(key_q, se, sel, in_map, lengths, kv_heads, n_blocks, count_qa, k,
+                   NBP: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
+    """Program (pair): the query-aware set (the n_init + n_win + k_q best query scores, sink and window
+    forced), then the selected set (the k best agnostic scores with the query-aware set forced), over
+    every block row (past the tail: unselected); in_map cleared for the slot-map kernel."""
     pid = tl.program_id(0)
     length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
-    jj = tl.program_id(1) * BB + tl.arange(0, BB)
-    if tl.program_id(1) * BB < tail:
-        row = pid.to(tl.int64) * n_blocks
-        valid = jj < tail
-        kj = tl.load(key_q + row + jj, mask=valid, other=float("-inf"))
-        aware = valid & (_rank_below(key_q, row, jj, kj, tail, BB, BI) < count_qa)
-        e = tl.load(se + row + jj, mask=valid, other=float("-inf"))
-        tl.store(key_e + row + jj, tl.where(aware, float("inf"), e), mask=valid)
-
-
-@triton.jit
-def _selected_kernel(key_e, sel, in_map, lengths, kv_heads, n_blocks, k,
-                     BB: tl.constexpr, BI: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr):
-    """Program (pair, block chunk): the selected set (rank by the forced agnostic keys < k) over every block
-    row (past the tail: unselected); in_map cleared for the slot-map kernel."""
-    pid = tl.program_id(0)
-    length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
-    jj = tl.program_id(1) * BB + tl.arange(0, BB)
+    jj = tl.arange(0, NBP)
     row = pid.to(tl.int64) * n_blocks
     valid = jj < tail
-    chosen = valid
-    if tl.program_id(1) * BB < tail:
-        kj = tl.load(key_e + row + jj, mask=valid, other=float("-inf"))
-        chosen = valid & (_rank_below(key_e, row, jj, kj, tail, BB, BI) < k)
+    aware = _top_mask(tl.load(key_q + row + jj, mask=valid, other=float("-inf")), valid, count_qa, NBP)
+    e = tl.where(aware, float("inf"), tl.load(se + row + jj, mask=valid, other=float("-inf")))
+    chosen = _top_mask(e, valid, k, NBP)
     tl.store(sel + row + jj, chosen.to(tl.int8), mask=jj < n_blocks)
-    tl.store(in_map + row + jj, tl.zeros([BB], tl.int8), mask=jj < n_blocks)
+    tl.store(in_map + row + jj, tl.zeros([NBP], tl.int8), mask=jj < n_blocks)
 
 
 @triton.jit
@@ -244,7 +232,6 @@ class SelectScratch:
         self.logits = torch.empty(pairs, gp, max(n_units, 1), **f32)
         self.stats = torch.empty(pairs, triton.cdiv(max(n_units, 1), BLOCK_UNITS), gp, 2, **f32)  # per chunk and head: max, sum of exp
         self.key_q = torch.empty(pairs, n_blocks, **f32)
-        self.key_e = torch.empty(pairs, n_blocks, **f32)
         self.sel = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.in_map = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.free_slot = torch.zeros(pairs, k, dtype=torch.int32, device=device)
@@ -259,7 +246,7 @@ class SelectScratch:
                 and self.mask.shape[1] == (k + 1) * block and self.mask.dtype == dtype and self.group_pad == max(16, triton.next_power_of_2(group)))
 
     def nbytes(self) -> int:
-        tensors = [self.logits, self.stats, self.key_q, self.key_e, self.sel, self.in_map, self.free_slot, self.mask]
+        tensors = [self.logits, self.stats, self.key_q, self.sel, self.in_map, self.free_slot, self.mask]
         return sum(t.numel() * t.element_size() for t in tensors + [x for pair in self.fetch.values() for x in pair])
 
     def fetch_lists(self, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,15 +286,13 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
     cap_units, n_chunks = scratch.logits.shape[2], scratch.stats.shape[1]
     frame = dict(KERNEL=kernel, STRIDE=stride, BS=block)
     block_chunks = triton.cdiv(n_blocks, BLOCK_BLOCKS)
-    rank_chunks, wide = triton.cdiv(n_blocks, RANK_ROWS), min(triton.next_power_of_2(n_blocks), RANK_COLS)
     _logits_kernel[(pairs, n_chunks)](units, q, lengths, scratch.logits, scratch.stats, kv_heads, cap_units, n_chunks, scale,
                                       G=group, GP=scratch.group_pad, D=dim, BM=BLOCK_UNITS, IEEE=units.dtype == torch.float32, **frame)
     _block_scores_kernel[(pairs, block_chunks)](scratch.logits, scratch.stats, lengths, scratch.key_q, kv_heads, cap_units, n_blocks, n_chunks,
                                                 n_init, n_win, G=group, GP=scratch.group_pad, CP=triton.next_power_of_2(n_chunks),
                                                 BB=BLOCK_BLOCKS, RATIO=ratio, RP=triton.next_power_of_2(ratio + 1), **frame)
-    _aware_kernel[(pairs, rank_chunks)](scratch.key_q, se, scratch.key_e, lengths, kv_heads, n_blocks, n_init + n_win + k_q,
-                                        BB=RANK_ROWS, BI=wide, **frame)
-    _selected_kernel[(pairs, rank_chunks)](scratch.key_e, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, k, BB=RANK_ROWS, BI=wide, **frame)
+    _select_kernel[(pairs,)](scratch.key_q, se, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, n_init + n_win + k_q, k,
+                             NBP=triton.next_power_of_2(n_blocks), **frame)
     _slot_map_kernel[(pairs,)](lengths, scores, slot_map, scratch.sel, scratch.in_map, scratch.free_slot, src, dst, scratch.mask, counters,
                                kv_heads, n_blocks, k, ranks, scores.shape[-1], BB=BLOCK_BLOCKS, KP=kp, BIAS=bias, **frame)
     return src, dst
