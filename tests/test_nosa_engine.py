@@ -191,7 +191,7 @@ class Recorder:
     It wraps the layer's own prefill/decode (the real ones run)."""
 
     def __init__(self, layer: NosaLayer):
-        self.layer, self.steps, self.row_attention = layer, [], {}
+        self.layer, self.steps = layer, []
         prefill, decode = layer.prefill, layer.decode
 
         def recorded_prefill(keys, values, queries, starts, scale):
@@ -230,15 +230,14 @@ def brute_h2o(rec: Recorder, b: int, p: int) -> torch.Tensor:
     the keys it attended (summed over the group); divided by p - i, the rows that could see token i.
     Returns [Hkv, p] (tokens >= p score 0)."""
     layer = rec.layer
-    keys = layer.keys_host[b].float()
-    total = torch.zeros(layer.kv_heads, p)
-    for r in range(p):
-        if (b, r) not in rec.row_attention:  # a row's attention is fixed once it ran: computed once
-            q, attended = rec.row(b, r)
-            logits = torch.einsum("hgd,htd->hgt", q.view(layer.kv_heads, layer.group, -1), keys[:, : r + 1]) * layer.scale
-            rec.row_attention[b, r] = torch.softmax(logits.masked_fill(~attended[:, None], float("-inf")), -1).sum(1)
-        total[:, : r + 1] += rec.row_attention[b, r]
-    return total / (p - torch.arange(p)).float()
+    rows = [rec.row(b, r) for r in range(p)]
+    q = torch.stack([q for q, _ in rows], 1).view(layer.kv_heads, layer.group, p, -1)
+    attended = torch.zeros(layer.kv_heads, p, p, dtype=torch.bool)  # [Hkv, row, key]
+    for r, (_, keys_of_row) in enumerate(rows):
+        attended[:, r, : r + 1] = keys_of_row
+    logits = torch.einsum("hgrd,htd->hgrt", q, layer.keys_host[b, :, :p].float()) * layer.scale
+    probs = torch.softmax(logits.masked_fill(~attended[:, None], float("-inf")), -1)
+    return probs.sum((1, 2)) / (p - torch.arange(p)).float()
 
 
 def brute_persistence_set(rec: Recorder, b: int, r: int) -> list[set[int]]:
@@ -320,7 +319,7 @@ def test_h2o_and_persistence_equal_a_brute_force_of_the_engines_reading(proxy, b
     reading recomputed from every row the layer saw, and stay frozen between refreshes."""
     layer = NosaLayer(make_config(budget, ratio, 32, proxy))
     rec = Recorder(layer)
-    for _ in random_stream(layer, steps=60, seed=5):
+    for _ in random_stream(layer, steps=46, seed=5, n=280):  # block starts at 288, 320 and 256, 288
         pass
     assert check_scores_against_brute_force(rec) >= 4  # two block starts per sequence at least
     assert layer.scores.abs().sum() > 0
@@ -380,23 +379,23 @@ def test_generate_runs_h2o_and_persistence_as_their_brute_force_reading(proxy):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)).eval()
-    ids = torch.randint(0, 300, (2, 330))
+    ids = torch.randint(0, 300, (2, 300))
     mask = torch.ones_like(ids)
     mask[1, :45] = 0
     engine = enable_nosa(model, cfg=make_config(192, 0.25, 32, proxy))
     try:
         cache = engine.new_cache()
         recorders = [Recorder(layer) for layer in cache.layers]
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=25, min_new_tokens=25, do_sample=False)
     finally:
         disable_nosa(model)
-    assert out.shape == (2, 370)
+    assert out.shape == (2, 325)
     for rec in recorders:
         layer = rec.layer
-        assert len(rec.steps) == 39 and layer.lengths.tolist() == [369, 324]
-        assert check_scores_against_brute_force(rec) >= 3
+        assert len(rec.steps) == 24 and layer.lengths.tolist() == [324, 279]
+        assert check_scores_against_brute_force(rec) == 2  # block starts at 320 and 256
         for b in range(2):
             for h in range(layer.kv_heads):
                 mapped = layer.slot_map[b, h]
@@ -404,7 +403,7 @@ def test_generate_runs_h2o_and_persistence_as_their_brute_force_reading(proxy):
                 for s, blk in enumerate(mapped.tolist()):
                     if blk >= 0:
                         assert torch.equal(layer.slots_k[b, h, s], layer.keys_host[b, h, blk * 32 : blk * 32 + 32])
-        assert layer.last_selected.sum(-1).eq(layer.cfg.k).all()  # 10 and 11 candidate blocks for k = 6
+        assert layer.last_selected.sum(-1).eq(layer.cfg.k).all()  # 10 and 8 candidate blocks for k = 6
 
 
 def test_a_swept_h2o_recommendation_runs_in_the_runtime(tmp_path):
@@ -431,13 +430,13 @@ def test_a_swept_h2o_recommendation_runs_in_the_runtime(tmp_path):
     art = load_artifact(out)
     assert art.manifest["methods"]["nosa"]["recommended"]["proxy"] == "h2o"
     model, _, _ = load_model(model_dir, dtype="float32", device="cpu")
-    ids = torch.randint(0, 1000, (1, 200))
+    ids = torch.randint(0, 1000, (1, 220))
     apply(model, art)
     try:
         cache = nosa_cache(model)
-        model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, past_key_values=cache)
+        model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, past_key_values=cache)  # a refresh at 224
         layer = cache.layers[0]
-        assert layer.cfg.proxy == "h2o" and layer.steps == 39 and layer.scores.abs().sum() > 0
+        assert layer.cfg.proxy == "h2o" and layer.steps == 9 and layer.scores[0, :, :224].gt(0).all()
         assert layer.last_selected.sum(-1).eq(layer.cfg.k).all()
     finally:
         remove(model)
