@@ -291,10 +291,11 @@ class OffloadedLayer:
         se = pool_blocks(agnostic_unit_scores(self.scores[:, :, None, :cap], n_units, cfg.kernel, cfg.stride)[:, :, 0], n_blocks, cfg.ratio)
         tail = torch.div(last, cfg.block, rounding_mode="floor")
         # select_blocks takes rows as its second-to-last dim: sequences are the rows, KV heads lead
-        sel, _ = select_blocks(sq.transpose(0, 1), se.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+        sel, query_aware = select_blocks(sq.transpose(0, 1), se.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
         if self.qa_ring is not None:  # persistence: this row's set, at slot position % block
-            sets = persistence_sets(sq.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win).transpose(0, 1)
-            self.qa_ring[torch.arange(sets.shape[0], device=sets.device), :, last % cfg.block] = _set_ids(sets, self.qa_ring.shape[-1])
+            sets = query_aware if cfg.k_q >= cfg.k // 4 else persistence_sets(  # the same set when k_q >= k/4
+                sq.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+            self.qa_ring[torch.arange(sets.shape[1], device=sets.device), :, last % cfg.block] = _set_ids(sets.transpose(0, 1), self.qa_ring.shape[-1])
         self.last_selected = sel.transpose(0, 1)
         return self.last_selected
 
