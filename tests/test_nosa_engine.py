@@ -47,6 +47,36 @@ def dense_over(layer: NosaLayer, q: torch.Tensor, selected: torch.Tensor) -> tor
     return out
 
 
+def assert_slots_hold_the_selection(layer: NosaLayer) -> None:
+    """Every (sequence, KV head): the slot map holds exactly the last selection, each slot the host store's block."""
+    block = layer.cfg.block
+    for b in range(layer.slot_map.shape[0]):
+        for h in range(layer.kv_heads):
+            mapped = layer.slot_map[b, h]
+            assert set(mapped[mapped >= 0].tolist()) == set(layer.last_selected[b, h].nonzero().flatten().tolist())
+            for s, blk in enumerate(mapped.tolist()):
+                if blk >= 0:
+                    assert torch.equal(layer.slots_k[b, h, s], layer.keys_host[b, h, blk * block : (blk + 1) * block])
+                    assert torch.equal(layer.slots_v[b, h, s], layer.values_host[b, h, blk * block : (blk + 1) * block])
+
+
+def tiny_llama(layers: int = 2):
+    """A random 4-head (2 KV heads) Llama, hidden 64, vocabulary 300."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)).eval()
+
+
+def ragged_batch(n: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of n tokens, the second left-padded by ``pad``: (ids, attention mask) [2, n]."""
+    ids = torch.randint(0, 300, (2, n))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
 @pytest.mark.parametrize("proxy,budget,ratio", [("vnorm", 256, 0.25), ("snapkv", 320, 0.5), ("tova", 192, 0.0), ("random", 256, 0.5)])
 def test_engine_holds_and_attends_exactly_the_selected_blocks(proxy, budget, ratio):
     torch.manual_seed(1)
@@ -62,14 +92,7 @@ def test_engine_holds_and_attends_exactly_the_selected_blocks(proxy, budget, rat
         layer.update(kn, vn)
         out = layer.decode(qn)
         sel = layer.last_selected
-        for b in range(batch):
-            for h in range(hkv):
-                mapped = layer.slot_map[b, h]
-                assert set(mapped[mapped >= 0].tolist()) == set(sel[b, h].nonzero().flatten().tolist())
-                for s, blk in enumerate(mapped.tolist()):
-                    if blk >= 0:
-                        assert torch.equal(layer.slots_k[b, h, s], layer.keys_host[b, h, blk * 32 : blk * 32 + 32])
-                        assert torch.equal(layer.slots_v[b, h, s], layer.values_host[b, h, blk * 32 : blk * 32 + 32])
+        assert_slots_hold_the_selection(layer)
         tails = torch.div(layer.lengths - 1, 32, rounding_mode="floor")  # complete blocks before the tail
         assert torch.equal(sel.sum(-1), torch.minimum(tails, torch.tensor(cfg.k))[:, None].expand(-1, hkv))
         torch.testing.assert_close(out[:, 0].float(), dense_over(layer, qn, sel), atol=1e-5, rtol=1e-5)
@@ -79,14 +102,8 @@ def test_engine_holds_and_attends_exactly_the_selected_blocks(proxy, budget, rat
 
 @pytest.mark.parametrize("proxy", ["vnorm", "h2o", "persistence"])
 def test_generate_with_the_cache_equals_dense_when_everything_fits(proxy):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)).eval()
-    ids = torch.randint(0, 300, (2, 200))
-    mask = torch.ones_like(ids)
-    mask[1, :50] = 0
+    model = tiny_llama()
+    ids, mask = ragged_batch(200, 50)
     dense = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     engine = enable_nosa(model, cfg=make_config(512, 0.25, 32, proxy))
     try:
@@ -376,14 +393,8 @@ def test_generate_runs_h2o_and_persistence_as_their_brute_force_reading(proxy):
     """generate() on a tiny Llama, batch 2 of different lengths, a budget below the context: in every
     offloaded layer the slots hold exactly the selected blocks, and the scores equal the brute-force
     reading of the rows the layer saw at every refresh (and are frozen in between)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)).eval()
-    ids = torch.randint(0, 300, (2, 300))
-    mask = torch.ones_like(ids)
-    mask[1, :45] = 0
+    model = tiny_llama(layers=1)
+    ids, mask = ragged_batch(300, 45)
     engine = enable_nosa(model, cfg=make_config(192, 0.25, 32, proxy))
     try:
         cache = engine.new_cache()
@@ -396,13 +407,7 @@ def test_generate_runs_h2o_and_persistence_as_their_brute_force_reading(proxy):
         layer = rec.layer
         assert len(rec.steps) == 24 and layer.lengths.tolist() == [324, 279]
         assert check_scores_against_brute_force(rec) == 2  # block starts at 320 and 256
-        for b in range(2):
-            for h in range(layer.kv_heads):
-                mapped = layer.slot_map[b, h]
-                assert set(mapped[mapped >= 0].tolist()) == set(layer.last_selected[b, h].nonzero().flatten().tolist())
-                for s, blk in enumerate(mapped.tolist()):
-                    if blk >= 0:
-                        assert torch.equal(layer.slots_k[b, h, s], layer.keys_host[b, h, blk * 32 : blk * 32 + 32])
+        assert_slots_hold_the_selection(layer)
         assert layer.last_selected.sum(-1).eq(layer.cfg.k).all()  # 10 and 8 candidate blocks for k = 6
 
 
