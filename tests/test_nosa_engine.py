@@ -467,3 +467,37 @@ def test_config_from_artifact_names_what_it_cannot_run():
             config_from_artifact(art(rec | bad))
     with pytest.raises(ValueError, match="lacks stride"):
         config_from_artifact(art({key: val for key, val in rec.items() if key != "stride"}))
+
+
+@pytest.mark.slow
+def test_smollm2_generates_with_h2o_and_persistence():
+    """The real SmolLM2-135M (30 layers, GQA 9/3), a ragged batch of 2 over 600 tokens of text, budget
+    256 (k = 8 of up to 18 blocks): in the first and last layers the scores equal the brute-force reading at
+    every refresh, and the locality bound holds at every step inside a block in every layer."""
+    from conftest import smollm2_gguf
+
+    from sparsesearch.models import load_model
+
+    smollm2_gguf()
+    model, tokenizer, _ = load_model("smollm2-135m", dtype="float32", device="cpu")
+    text = " ".join(f"Line {i}: the river runs past the mill and the miller counts {i * 7} sacks of grain." for i in range(60))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :600].expand(2, -1).clone()
+    mask = torch.ones_like(ids)
+    mask[1, :70] = 0
+    for proxy in ("h2o", "persistence"):
+        cfg = make_config(256, 0.25, 32, proxy)
+        engine = enable_nosa(model, cfg=cfg)
+        try:
+            cache = engine.new_cache()
+            recorders = [Recorder(layer) for layer in cache.layers]
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        finally:
+            disable_nosa(model)
+        for rec in (recorders[0], recorders[-1]):
+            assert check_scores_against_brute_force(rec) == 2  # block starts at 608 and 544
+        for rec in recorders:
+            previous = rec.steps[0].selected
+            for step in rec.steps[1:]:
+                inside = ((step.lengths - 1) % cfg.block != 0)[:, None].expand(-1, previous.shape[1])
+                assert locality_holds(cfg, previous, step.selected)[inside].all(), proxy
+                previous = step.selected
