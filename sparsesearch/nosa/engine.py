@@ -17,6 +17,28 @@ query-agnostic scores are recomputed when a sequence starts a new block, the sel
 picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
 (kernels/gather.py; the previous tail block moves from the tail slot, never from the host).
 Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
+
+Query-agnostic proxies (nosa/proxies.py defines them for the sweep) are recomputed only at a sequence's
+refresh positions P (the prompt's end, then each new block's first token) and frozen in between, so the
+locality bound holds at every stable step. Every proxy of ``proxies.PROXIES`` runs here:
+
+* trained, vnorm, random: functions of the token (and the refresh) alone, as in the sweep.
+* snapkv, tova: re-score every key at P from the ring of the last max(OBS_WINDOW, block) queries (dense
+  attention over the host store's whole history, once per block), as in the sweep.
+* h2o: the sweep accumulates every row's *dense* attention; a decode step here attends only its resident
+  blocks and the tail, so the engine's reading is: prompt rows contribute their dense attention (the
+  prefill has every key: one streamed pass over the prompt, ``proxies.h2o_column_sums``), each decode row
+  contributes the attention it actually computed (0 for the keys it did not attend), accumulated on the
+  device every step into ``colsum`` [B, Hkv, capacity]; at P the score is colsum / (P - i), the number of
+  rows that could see token i, exactly the sweep's de-biasing. Non-resident tokens therefore lose mass
+  relative to the sweep (H2O's own accumulate-over-what-is-kept behaviour); with a budget that covers the
+  context the two are equal.
+* persistence: the same as the sweep's. Each decode step's persistence set (sink + window +
+  max(k_q, k/4) blocks by the step's query score, ``proxies.persistence_sets``; the selection's own
+  query-aware set when k_q >= k/4) is written as block ids into a ring ``qa_ring`` [B, Hkv, block, set
+  size] at slot position % block on the device; the prompt's last ``block`` rows are filled at prefill
+  from the query ring. At P the ring holds exactly rows P - block .. P - 1, and the score of token i is
+  the fraction of those rows whose set held block(i).
 """
 
 from __future__ import annotations
@@ -26,13 +48,24 @@ from dataclasses import dataclass
 import torch
 
 from .config import NosaConfig
-from .proxies import OBS_WINDOW, proxy_versions, trained_scores
+from .proxies import (
+    OBS_WINDOW,
+    PROXIES,
+    h2o_column_sums,
+    h2o_debias,
+    persistence_from_counts,
+    persistence_set_size,
+    persistence_sets,
+    proxy_versions,
+    trained_scores,
+)
 from .selection import agnostic_unit_scores, pool_blocks, query_unit_scores, select_blocks, unit_count
 
 ATTN_NAME = "sparsesearch_nosa"
 _ENGINE = "_sparsesearch_nosa_engine"
 _PREVIOUS = "_sparsesearch_nosa_previous_attn"
-ENGINE_PROXIES = ("trained", "snapkv", "tova", "vnorm", "random")
+ENGINE_PROXIES = PROXIES  # every proxy the sweep measures runs here (the module docstring gives the readings)
+H2O_CHUNK_BYTES = 1 << 28  # prefill's h2o column sums hold one [Hq, chunk, T] float32 block of rows at a time
 
 
 def _pinned(shape, dtype, like: torch.Tensor) -> torch.Tensor:
@@ -45,7 +78,9 @@ class OffloadedLayer:
     """One global layer's offloaded cache (no transformers import here: ``runtime.offload_cache.NosaLayer``
     adds transformers' CacheLayerMixin to it). Host: keys/values [B, Hkv, capacity, D] (each sequence from its
     own first token), per-token query-agnostic scores [B, Hkv, capacity]. Device: slots [B, Hkv, k, block, D],
-    slot map [B, Hkv, k] (block id or -1), tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D]."""
+    slot map [B, Hkv, k] (block id or -1), tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D];
+    h2o: accumulated attention ``colsum`` [B, Hkv, capacity]; persistence: ``qa_ring`` [B, Hkv, block, set
+    size] of block ids (-1 empty)."""
 
     def __init__(self, cfg: NosaConfig, seed: int = 0):
         self.keys = self.values = None
@@ -55,6 +90,7 @@ class OffloadedLayer:
         self.h2d_bytes = self.d2h_bytes = self.moved_blocks = self.steps = 0
         self.last_selected = None
         self.eviction = None
+        self.colsum = self.qa_ring = None
 
     # ------------------------------------------------------------------ transformers Cache layer protocol
 
@@ -95,12 +131,18 @@ class OffloadedLayer:
         self.values_host = _pinned((batch, kv_heads, capacity, dim), keys.dtype, keys)
         hist = max(OBS_WINDOW, cfg.block)
         self.queries = torch.zeros(batch, queries.shape[1], hist, dim, dtype=torch.float32, device=keys.device)  # ring of recent queries
+        if cfg.proxy == "h2o":
+            self.colsum = torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=keys.device)
         for b in range(batch):  # once per prompt, not per step: strip each sequence's padding
             real = n - int(starts[b])
             self.keys_host[b, :, :real] = keys[b, :, int(starts[b]):].cpu()
             self.values_host[b, :, :real] = values[b, :, int(starts[b]):].cpu()
             take = min(real, hist)
             self.queries[b, :, hist - take:] = queries[b, :, n - take:].float()
+            if self.colsum is not None:  # the prompt rows' dense attention: the prefill has every key
+                q_b = queries[b, :, int(starts[b]):].reshape(kv_heads, self.group, real, dim)
+                chunk = max(1, min(256, H2O_CHUNK_BYTES // (4 * queries.shape[1] * real)))
+                self.colsum[b, :, :real] = h2o_column_sums(q_b, keys[b, :, int(starts[b]):], scale, chunk=chunk)
         self.slots_k = torch.zeros(batch, kv_heads, cfg.k, cfg.block, dim, dtype=keys.dtype, device=keys.device)
         self.slots_v = torch.zeros_like(self.slots_k)
         self.slot_map = torch.full((batch, kv_heads, cfg.k), -1, dtype=torch.long, device=keys.device)
@@ -112,10 +154,29 @@ class OffloadedLayer:
         self.units = torch.zeros(batch, kv_heads, unit_count(capacity, cfg.kernel, cfg.stride), dim, dtype=torch.float32, device=keys.device)
         self.n_units = torch.zeros(batch, dtype=torch.long, device=keys.device)
         self._grow_units()
+        if cfg.proxy == "persistence":
+            size = persistence_set_size(cfg.k, cfg.k_q, cfg.n_init, cfg.n_win)
+            self.qa_ring = torch.full((batch, kv_heads, cfg.block, size), -1, dtype=torch.long, device=keys.device)
+            for b in range(batch):
+                self._remember_prompt_sets(b)
         self.pending_tail_move = torch.zeros(batch, dtype=torch.bool, device=keys.device)
         self.old_tail_k, self.old_tail_v = self.tail_k, self.tail_v
         for b in range(batch):
             self._refresh(b, n - int(starts[b]))
+
+    def _remember_prompt_sets(self, b: int) -> None:
+        """Persistence: the query-aware sets of sequence b's last ``block`` prompt rows (from the query
+        ring, each row with the compressed keys and tail of its own position) into ``qa_ring``."""
+        cfg = self.cfg
+        n = int(self.lengths[b])
+        rows = min(n, cfg.block)
+        hist = self.queries.shape[2]
+        q = self.queries[b, :, hist - rows :].reshape(self.kv_heads, self.group, rows, -1)
+        pos = torch.arange(n - rows, n, device=q.device)
+        unit_scores = query_unit_scores(q, self.units[b], unit_count(pos + 1, cfg.kernel, cfg.stride), self.scale)
+        sq = pool_blocks(unit_scores, -(-n // cfg.block), cfg.ratio)  # [Hkv, rows, N]
+        sets = persistence_sets(sq, torch.div(pos, cfg.block, rounding_mode="floor"), k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+        self.qa_ring[b, :, pos % cfg.block] = _set_ids(sets, self.qa_ring.shape[-1])
 
     def _load_tail(self, b: int) -> None:
         """The tail slot of sequence b from the host (prefill only: afterwards it is written on the device)."""
@@ -136,9 +197,9 @@ class OffloadedLayer:
             grown = _pinned((*old.shape[:2], new, old.shape[-1]), old.dtype, self.slots_k)
             grown[:, :, :cap] = old
             setattr(self, name, grown)
-        scores = torch.zeros(*self.scores.shape[:2], new, dtype=torch.float32, device=self.scores.device)
-        scores[..., :cap] = self.scores
-        self.scores = scores
+        self.scores = _grown(self.scores, new)
+        if self.colsum is not None:
+            self.colsum = _grown(self.colsum, new)
         units = torch.zeros(*self.units.shape[:2], unit_count(new, self.cfg.kernel, self.cfg.stride), self.units.shape[-1], device=self.units.device)
         units[:, :, : self.units.shape[2]] = self.units
         self.units = units
@@ -175,9 +236,14 @@ class OffloadedLayer:
 
     def _refresh(self, b: int, p: int) -> None:
         """Recompute sequence b's per-token query-agnostic scores at position p (the prompt's end, then each
-        new block's first token) from the rows before p: the query ring holds positions p - hist .. p - 1."""
+        new block's first token) from the rows before p: the query ring holds positions p - hist .. p - 1;
+        h2o's accumulated attention and persistence's set ring hold what rows < p contributed."""
         cfg = self.cfg
         n = int(self.lengths[b])
+        if cfg.proxy in ("h2o", "persistence"):  # device state only: no host read
+            self.scores[b].zero_()
+            self.scores[b, :, :n] = h2o_debias(self.colsum[b, :, :n], p) if cfg.proxy == "h2o" else self._persistence(b, n, p)
+            return
         k = self.keys_host[b, :, :n].to(self.units.device)
         v = self.values_host[b, :, :n].to(self.units.device)
         hist = self.queries.shape[2]
@@ -188,6 +254,13 @@ class OffloadedLayer:
                                 scale=self.scale, eviction=self.eviction, block=cfg.block, seed=self.seed)
         self.scores[b].zero_()
         self.scores[b, :, :n] = scores[0]
+
+    def _persistence(self, b: int, n: int, p: int) -> torch.Tensor:
+        """Sequence b's persistence scores at p from the set ring (rows p - block .. p - 1), [Hkv, n]."""
+        block = self.cfg.block
+        ids = self.qa_ring[b].flatten(1) + 1  # [Hkv, block * size]; -1 (empty) lands in column 0
+        counts = torch.zeros(self.kv_heads, -(-n // block) + 1, device=ids.device).scatter_add_(-1, ids, torch.ones_like(ids, dtype=torch.float32))
+        return persistence_from_counts(counts[:, 1:], min(p, block), n, p, block)
 
     # ------------------------------------------------------------------------------------------- decode
 
@@ -202,7 +275,10 @@ class OffloadedLayer:
         self._map_slots(selected, last)
         self.queries = torch.cat([self.queries[:, :, 1:], query.float()], dim=2)  # the ring's newest row: this step
         self.steps += 1
-        return self.attend(query, last)
+        probs = self.attention_probs(query, last)
+        if self.colsum is not None:  # h2o: this row's attention over what it attended (0 elsewhere)
+            self.colsum.scatter_add_(-1, self._slot_tokens(last), probs.sum(2))
+        return self.attend(probs, query)
 
     def select(self, query: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Eq. 5 for every (sequence, KV head): bool [B, Hkv, N]."""
@@ -215,7 +291,11 @@ class OffloadedLayer:
         se = pool_blocks(agnostic_unit_scores(self.scores[:, :, None, :cap], n_units, cfg.kernel, cfg.stride)[:, :, 0], n_blocks, cfg.ratio)
         tail = torch.div(last, cfg.block, rounding_mode="floor")
         # select_blocks takes rows as its second-to-last dim: sequences are the rows, KV heads lead
-        sel, _ = select_blocks(sq.transpose(0, 1), se.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+        sel, query_aware = select_blocks(sq.transpose(0, 1), se.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+        if self.qa_ring is not None:  # persistence: this row's set, at slot position % block
+            sets = query_aware if cfg.k_q >= cfg.k // 4 else persistence_sets(  # the same set when k_q >= k/4
+                sq.transpose(0, 1), tail, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win)
+            self.qa_ring[torch.arange(sets.shape[1], device=sets.device), :, last % cfg.block] = _set_ids(sets.transpose(0, 1), self.qa_ring.shape[-1])
         self.last_selected = sel.transpose(0, 1)
         return self.last_selected
 
@@ -254,12 +334,13 @@ class OffloadedLayer:
         self.slot_map = new_map
         self.pending_tail_move = torch.zeros_like(self.pending_tail_move)
 
-    def attend(self, query: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """Decode attention over the k slots and the tail slot (eviction bias added when the head exists)."""
+    def attention_probs(self, query: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Decode attention probabilities over the k slots and the tail slot (eviction bias added when the
+        head exists): query [B, Hq, 1, D] -> float32 [B, Hkv, G, (k+1)*block], 0 on empty slots and on
+        tail positions after the token."""
         cfg = self.cfg
         batch, heads, _, dim = query.shape
         keys = torch.cat([self.slots_k.flatten(2, 3), self.tail_k], dim=2).float()  # [B, Hkv, (k+1)*block, D]
-        values = torch.cat([self.slots_v.flatten(2, 3), self.tail_v], dim=2).float()
         offs = torch.arange(cfg.block, device=query.device)
         slot_ok = (self.slot_map >= 0)[..., None].expand(-1, -1, -1, cfg.block).flatten(2)
         tail_ok = (offs[None, :] <= (last % cfg.block)[:, None])[:, None].expand(-1, self.kv_heads, -1)
@@ -268,29 +349,55 @@ class OffloadedLayer:
         logits = torch.einsum("bhgd,bhtd->bhgt", q, keys) * self.scale
         if self.eviction is not None:
             logits = logits + self._bias(last)[:, :, None]
-        probs = torch.softmax(logits.masked_fill(~ok[:, :, None], float("-inf")), dim=-1)
+        return torch.softmax(logits.masked_fill(~ok[:, :, None], float("-inf")), dim=-1)
+
+    def attend(self, probs: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """probs [B, Hkv, G, (k+1)*block] (``attention_probs``) over the slots' and tail's values -> [B, 1, Hq, D]."""
+        batch, heads, _, dim = query.shape
+        values = torch.cat([self.slots_v.flatten(2, 3), self.tail_v], dim=2).float()
         out = torch.einsum("bhgt,bhtd->bhgd", probs, values)
         return out.reshape(batch, heads, dim)[:, None].to(query.dtype)
 
-    def _bias(self, last: torch.Tensor) -> torch.Tensor:
-        """Per slot key: the trained score of the token it holds (the additive logit bias), [B, Hkv, (k+1)*block]."""
+    def _slot_tokens(self, last: torch.Tensor) -> torch.Tensor:
+        """The position of the token each slot key holds, long [B, Hkv, (k+1)*block] (slots, then the tail
+        block; an empty slot reads as block 0, and its probability is 0)."""
         cfg = self.cfg
         offs = torch.arange(cfg.block, device=last.device)
         tokens = (self.slot_map.clamp(min=0)[..., None] * cfg.block + offs).flatten(2)
         tail_tokens = (torch.div(last, cfg.block, rounding_mode="floor") * cfg.block)[:, None, None] + offs
-        tokens = torch.cat([tokens, tail_tokens.expand(-1, self.kv_heads, -1)], dim=2)
+        return torch.cat([tokens, tail_tokens.expand(-1, self.kv_heads, -1)], dim=2)
+
+    def _bias(self, last: torch.Tensor) -> torch.Tensor:
+        """Per slot key: the trained score of the token it holds (the additive logit bias), [B, Hkv, (k+1)*block]."""
         cap = self.keys_host.shape[2]
         v = self.values_host[:, :, :cap].to(self.slots_v.device)
         bias = trained_scores(v, *self.eviction)  # [B, Hkv, cap]
-        return bias.gather(-1, tokens.clamp(max=cap - 1))
+        return bias.gather(-1, self._slot_tokens(last).clamp(max=cap - 1))
 
     def memory(self) -> dict:
         """Bytes held on the device (slots, tail, map, compressed keys, scores) and on the host (full KV)."""
-        device = sum(t.numel() * t.element_size() for t in (self.slots_k, self.slots_v, self.tail_k, self.tail_v, self.slot_map, self.units, self.scores, self.queries))
+        state = [t for t in (self.colsum, self.qa_ring) if t is not None]
+        device = sum(t.numel() * t.element_size() for t in (self.slots_k, self.slots_v, self.tail_k, self.tail_v, self.slot_map, self.units, self.scores, self.queries, *state))
         host = sum(t.numel() * t.element_size() for t in (self.keys_host, self.values_host))
         used = int(self.lengths.sum()) * self.kv_heads * self.keys_host.shape[-1] * 2 * self.keys_host.element_size()
         return {"device_bytes": device, "host_bytes": host, "host_bytes_used": used, "h2d_bytes": self.h2d_bytes,
                 "d2h_bytes": self.d2h_bytes, "blocks_moved_from_tail": self.moved_blocks, "steps": self.steps}
+
+
+def _grown(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A per-token float32 state [B, Hkv, capacity] grown to ``tokens`` (zeros after the old capacity)."""
+    out = torch.zeros(*x.shape[:2], tokens, dtype=x.dtype, device=x.device)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
+def _set_ids(sets: torch.Tensor, size: int) -> torch.Tensor:
+    """A block set as its ids: bool [..., N] with at most ``size`` members -> long [..., size], members in
+    block order, -1 after them."""
+    if sets.shape[-1] < size:
+        sets = torch.nn.functional.pad(sets, (0, size - sets.shape[-1]))
+    order = torch.sort((~sets).to(torch.int8), dim=-1, stable=True).indices[..., :size]  # members first
+    return torch.where(sets.gather(-1, order), order, -1)
 
 
 def _whole_blocks(tokens: int, block: int) -> int:
@@ -337,10 +444,17 @@ def config_from_artifact(artifact) -> NosaConfig:
     if not section or "recommended" not in section:
         raise ValueError("the artifact has no methods.nosa.recommended; run sparsesearch sweep-nosa first")
     rec = section["recommended"]
+    missing = [key for key in ("block", "k", "k_q", "n_init", "n_win", "proxy", "kernel", "stride") if key not in rec]
+    if missing:
+        raise ValueError(f"methods.nosa.recommended lacks {', '.join(missing)}; rerun sparsesearch sweep-nosa")
+    if rec["proxy"] not in ENGINE_PROXIES:
+        raise ValueError(f"methods.nosa.recommended.proxy {rec['proxy']!r} is unknown; the offload engine runs {', '.join(ENGINE_PROXIES)}")
     cfg = NosaConfig(block=rec["block"], k=rec["k"], k_q=rec["k_q"], n_init=rec["n_init"], n_win=rec["n_win"], proxy=rec["proxy"],
                      kernel=rec["kernel"], stride=rec["stride"])
-    if cfg.proxy not in ENGINE_PROXIES:
-        raise ValueError(f"the offload engine refreshes {', '.join(ENGINE_PROXIES)} from recent queries; proxy {cfg.proxy!r} needs the sweep's history")
+    if cfg.block <= 0 or cfg.stride <= 0 or cfg.block % cfg.stride:
+        raise ValueError(f"methods.nosa.recommended.block {cfg.block} is not a positive multiple of the pooling stride {cfg.stride}")
+    if cfg.k_q < 0 or cfg.k_e < 0:
+        raise ValueError(f"methods.nosa.recommended: k {cfg.k} < sink {cfg.n_init} + window {cfg.n_win} + k_q {cfg.k_q}")
     return cfg
 
 

@@ -147,3 +147,45 @@ def h2o_column_sums(q: torch.Tensor, k: torch.Tensor, scale: float, *, chunk: in
         pos = torch.arange(start, min(start + chunk, q.shape[-2]), device=k.device)
         total += _probs_rows(q[:, :, start : start + chunk], k, pos, scale).sum(1)
     return total
+
+
+def h2o_debias(colsum: torch.Tensor, p: int) -> torch.Tensor:
+    """h2o's score at a refresh at position p from the accumulated attention of the rows before p.
+
+    colsum: [..., T] each token's attention summed over rows < p (and the GQA group). Returns float32
+    [..., T]: colsum / (p - i), the number of rows 0..p-1 that could see token i; 0 for tokens >= p.
+    """
+    tokens = torch.arange(colsum.shape[-1], device=colsum.device)
+    seen_by = (p - tokens).clamp(min=1).float()
+    return torch.where(tokens < p, colsum.float() / seen_by, torch.zeros((), device=colsum.device))
+
+
+def persistence_set_size(k: int, k_q: int, n_init: int, n_win: int) -> int:
+    """Blocks in persistence's query-aware set: sink + window + max(k_q, k/4) by the query score (a
+    set of at least k/4 blocks, so that k_q = 0 still leaves something to count)."""
+    return n_init + n_win + max(k_q, k // 4)
+
+
+def persistence_sets(sq: torch.Tensor, tail: torch.Tensor, *, k: int, k_q: int, n_init: int, n_win: int) -> torch.Tensor:
+    """The query-aware set persistence counts, per row: sink and window forced, then the best blocks by
+    the query score (ties by block index) up to ``persistence_set_size``.
+
+    sq: [..., R, N] query block scores; tail: long [R] the block of each row's own token. Returns bool [..., R, N].
+    """
+    from .selection import POS, forced_mask, top_mask
+
+    valid, forced = forced_mask(tail, sq.shape[-1], n_init, n_win)
+    return top_mask(sq.float().masked_fill(forced, POS), persistence_set_size(k, k_q, n_init, n_win), valid)
+
+
+def persistence_from_counts(counts: torch.Tensor, rows: int, n: int, p: int, block: int) -> torch.Tensor:
+    """Persistence's per-token score: how often the token's block was in the query-aware set, over the
+    ``rows`` rows counted (the last ``block`` rows before the refresh position p).
+
+    counts: [..., N] per block. Returns float32 [..., n], 0 for tokens >= p.
+    """
+    freq = counts.float() / max(rows, 1)
+    e = freq.repeat_interleave(block, dim=-1)[..., :n]
+    e = F.pad(e, (0, n - e.shape[-1]))
+    tokens = torch.arange(n, device=counts.device)
+    return torch.where(tokens < p, e, torch.zeros((), device=counts.device))
