@@ -333,7 +333,7 @@ def _allocation_rows(alloc: Allocation, curves: list[HeadCurve], scored: dict[in
     for c, i in zip(curves, alloc.choices):
         if i == DENSE:
             r = {"head": c.head, "pattern": "dense", "params": DenseParams(), "density": 1.0, "recall": 1.0,
-                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0}
+                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0, "reason": alloc.reasons.get((c.layer, c.head))}
         else:
             s, h = scored[c.layer][i], c.head
             r = {"head": h, "pattern": s.candidate.pattern, "params": s.params[h], "density": float(s.density[h]),
@@ -606,7 +606,7 @@ def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none"
         "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
         "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
         "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
-        "latency_ms": r["latency_ms"], "score": r["score"],
+        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"),
     }
     row.update(row_from_params(r["params"]))
     return row

@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from sparsesearch.artifacts import load_artifact
 from sparsesearch.calibrate import CalibrateConfig, Progress, calibrate
 from sparsesearch.search.cost import AnalyticCost
 from sparsesearch.search.layer import head_rows, score_layer
@@ -184,6 +185,18 @@ def test_resume_gives_the_identical_artifact(tiny_model, space_file, tmp_path):
     drop = lambda m: {k: v for k, v in m.items() if k != "methods"}
     assert drop(a) == drop(b)
     assert a["methods"]["mminference"]["fidelity"] == b["methods"]["mminference"]["fidelity"]
+
+
+def test_heads_carry_why_the_pick_is_not_the_best_admissible(tiny_model, tmp_path):
+    # A target cheaper than every candidate: no head has an admissible candidate, each takes the cheapest,
+    # and heads.parquet says so per head (search/layer.py choose_head's reason).
+    space = tmp_path / "tight.json"
+    space.write_text(json.dumps({**SPACE, "target": {"pattern": "ashape", "params": {"sink": 8, "local": 8}}, "candidates": SPACE["candidates"][1:]}))
+    res = calibrate(_cfg(tiny_model, tmp_path / "a", space, eval_data=""))
+    rows = load_artifact(res.path).head_rows()
+    assert rows and all(r["reason"] == "no candidate within budget: the cheapest" for r in rows)
+    shown = json.loads(CliRunner().invoke(app, ["inspect", str(res.path), "--json"]).stdout)["reasons"]
+    assert len(shown) == len(rows)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -78,13 +78,17 @@ def test_unreachable_target_exits_2_then_allow_miss_writes_it_marked(tiny_model,
 
 
 def test_max_output_error_caps_every_sparse_head(tiny_model, space_file, tmp_path):
-    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "a", "--max-output-error", "0.4", "--eval-data", "", "--json"))
+    # 0.3: the tiny model's best sparse errors per layer are ~0.32 / 0.29 / 0.25, so one layer stays dense.
+    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "a", "--max-output-error", "0.3", "--eval-data", "", "--json"))
     assert result.exit_code == 0, result.output
     heads = load_artifact(tmp_path / "a").heads
     sparse = heads[heads.pattern != "dense"]
-    assert (sparse.output_error <= 0.4).all() and (heads[heads.pattern == "dense"].output_error == 0).all()
+    assert (sparse.output_error <= 0.3).all() and (heads[heads.pattern == "dense"].output_error == 0).all()
     summary = json.loads(result.stdout)
-    assert summary["target"]["kind"] == "max_output_error" and summary["target"]["calibration"]["achieved"] <= 0.4
+    # heads.parquet carries the target's reason for each head it left dense, the same as the manifest's list.
+    why = {(d["layer"], d["head"]): d["reason"] for d in summary["target"]["dense_heads"]}
+    assert why and why == {(int(r.layer), int(r.head)): r.reason for r in heads.itertuples() if r.pattern == "dense"}
+    assert summary["target"]["kind"] == "max_output_error" and summary["target"]["calibration"]["achieved"] <= 0.3
     assert summary["dense_cutoff"] == {"min_tokens": 128, "source": "--min-tokens (not measured)"}
 
 
