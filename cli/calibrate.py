@@ -24,7 +24,7 @@ def calibrate(
     out: Annotated[Path, typer.Option(help="Artifact directory to write (a PNG map is written beside it).")] = Path("artifacts/smollm2-135m"),
     head_space: Annotated[str, typer.Option(help="kv: one pattern per KV head (GQA-native); query: per query head.")] = "kv",
     objective: Annotated[str, typer.Option(help="output_error (relative L2 of the attention output) or mass_recall.")] = "output_error",
-    eval_data: Annotated[str, typer.Option(help="Held-out data for the fidelity report ('' to skip).")] = "synthetic:passkey",
+    eval_data: Annotated[str, typer.Option(help="Held-out data for the fidelity report: one spec or several, comma-separated (the first is the one a target is verified on; '' to skip).")] = "text:shakespeare",
     eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
     eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out length in tokens (default: --max-tokens).")] = None,
     min_tokens: Annotated[Optional[int], typer.Option(help="Runtime: prompts shorter than this run dense (default: measured on this device, SDPA vs index + sparse kernel).")] = None,
@@ -146,8 +146,9 @@ def _render(result, summary, density) -> None:
     if result.fidelity:
         from sparsesearch.fidelity import describe
 
-        for line in describe(result.fidelity):
-            out_console.print(f"held-out {line}" if line.startswith(result.fidelity["eval_data"]) else line)
+        for report in [result.fidelity, *result.fidelity.get("also", [])]:
+            for line in describe(report):
+                out_console.print(f"held-out {line}" if line.startswith(report["eval_data"]) else line)
     if summary["target"]:
         _render_target(summary["target"], summary["dense_cutoff"])
     elif summary["dense_cutoff"]:

@@ -80,3 +80,22 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
             _num(layer["mean_density"]), _num(layer["mean_score"]),
         )
     out_console.print(table)
+    _print_reasons(summary["reasons"])
+
+
+REASONS_SHOWN = 20  # table rows of reasons; --json lists every one
+
+
+def _print_reasons(reasons: list[dict]) -> None:
+    """Heads whose pick is not their best admissible sparse candidate, and why (heads.parquet ``reason``)."""
+    if not reasons:
+        return
+    table = Table(title=f"picks that are not the head's best admissible sparse candidate ({len(reasons)})")
+    for name in ("layer", "head", "region", "pattern", "reason"):
+        table.add_column(name, justify="right" if name in ("layer", "head") else "left")
+    for r in reasons[:REASONS_SHOWN]:
+        region = f"{r['q_modality']}->{r['k_modality']}"
+        table.add_row(str(r["layer"]), str(r["head"]), region, r["pattern"], r["reason"])
+    out_console.print(table)
+    if len(reasons) > REASONS_SHOWN:
+        out_console.print(f"... and {len(reasons) - REASONS_SHOWN} more (--json lists every one)", highlight=False)

@@ -62,7 +62,7 @@ class CalibrateConfig:
     objective: str = "output_error"
     resume: bool = False
     overwrite: bool = False
-    eval_data: str | None = "synthetic:passkey"
+    eval_data: str | None = "text:shakespeare"  # comma-separated held-out sources, see eval_specs
     eval_samples: int = 1
     eval_tokens: int | None = None  # held-out length (None: max_tokens)
     min_tokens: int | None = None  # runtime dense cut-off; None: measured on this device (search/cutoff.py)
@@ -140,7 +140,8 @@ def preflight(cfg: CalibrateConfig):
     space = load_space(cfg.search_space)
     check.out_dir("--out", cfg.out, overwrite=cfg.overwrite)
     check.data("--data", cfg.data, tokens=cfg.max_tokens)
-    check.data("--eval-data", cfg.eval_data if cfg.eval_samples else None, tokens=cfg.eval_tokens or cfg.max_tokens, held_out=True)
+    for spec in eval_specs(cfg.eval_data) if cfg.eval_samples else []:
+        check.data("--eval-data", spec, tokens=cfg.eval_tokens or cfg.max_tokens, held_out=True)
     info = check.model_info(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, device=cfg.device)
     check.tokens_fit("--max-tokens", cfg.max_tokens, info)
     check.tokens_fit("--eval-tokens", cfg.eval_tokens, info)
@@ -333,7 +334,7 @@ def _allocation_rows(alloc: Allocation, curves: list[HeadCurve], scored: dict[in
     for c, i in zip(curves, alloc.choices):
         if i == DENSE:
             r = {"head": c.head, "pattern": "dense", "params": DenseParams(), "density": 1.0, "recall": 1.0,
-                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0}
+                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0, "reason": alloc.reasons.get((c.layer, c.head))}
         else:
             s, h = scored[c.layer][i], c.head
             r = {"head": h, "pattern": s.candidate.pattern, "params": s.params[h], "density": float(s.density[h]),
@@ -351,8 +352,13 @@ def _point(alloc: Allocation, curves: list[HeadCurve], rows: list[dict]) -> dict
 
 
 def fidelity_kl(fidelity: dict) -> tuple[str, float]:
-    """(key, value) of the KL an ``evaluate_fidelity`` result carries — whichever KL it measures (next-token
-    today, teacher-forced over every position later): the first key naming a KL with a number."""
+    """(key, value) of the KL a target is held against in an ``evaluate_fidelity`` result: the teacher-forced
+    KL averaged over every position of the prompts (``teacher_forced.kl_mean``) when the report has it — one
+    next-token KL per prompt is a single sampled position, too noisy to bisect on — else the first key
+    naming a KL with a number (reports written before teacher forcing: ``next_token_kl``)."""
+    tf = fidelity.get("teacher_forced")
+    if isinstance(tf, dict) and isinstance(tf.get("kl_mean"), (int, float)):
+        return "teacher_forced.kl_mean", float(tf["kl_mean"])
     for key, value in fidelity.items():
         if "kl" in key.split("_") and isinstance(value, (int, float)):
             return key, float(value)
@@ -531,10 +537,9 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     progress.stage("measuring the dense cut-off")
     mm["dense_cutoff"] = _dense_cutoff(cfg, rows, info, model)
     fidelity = None
-    if cfg.eval_data and cfg.eval_samples:
+    if eval_specs(cfg.eval_data) and cfg.eval_samples:
         progress.stage("fidelity on held-out data")
-        fidelity = evaluate_fidelity(model, tokenizer, manifest, rows, data=cfg.eval_data, samples=cfg.eval_samples,
-                                     tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=VERIFY_MIN_TOKENS)
+        fidelity = held_out_fidelity(cfg, model, tokenizer, manifest, rows)
         mm["fidelity"] = fidelity
         if target is not None:
             target["held_out"] = held_out_check(target, fidelity)
@@ -559,6 +564,24 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
     return CalibrationResult(path, manifest, rows, timings, fidelity, png, curve_png=curve_png)
+
+
+def eval_specs(eval_data: str | None) -> list[str]:
+    """The held-out sources of ``--eval-data``: comma-separated data specs, blanks dropped ('' or None: none).
+    The default pairs natural text (teacher-forced KL over every position: can fail on any model) with
+    passkey prompts (retrieval counts, with a verdict where dense does not retrieve)."""
+    return [spec.strip() for spec in (eval_data or "").split(",") if spec.strip()]
+
+
+def held_out_fidelity(cfg: CalibrateConfig, model, tokenizer, manifest: dict, rows: list[dict]) -> dict:
+    """The manifest's fidelity record: ``evaluate_fidelity`` on the first --eval-data source (the record a
+    target is verified on), and on each further source a report of the same shape, listed under ``also``."""
+    from .fidelity import evaluate_fidelity
+
+    reports = [evaluate_fidelity(model, tokenizer, manifest, rows, data=spec, samples=cfg.eval_samples,
+                                 tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=VERIFY_MIN_TOKENS)
+               for spec in eval_specs(cfg.eval_data)]
+    return reports[0] if len(reports) == 1 else {**reports[0], "also": reports[1:]}
 
 
 def _dense_cutoff(cfg: CalibrateConfig, rows: list[dict], info, model) -> dict:
@@ -606,7 +629,7 @@ def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none"
         "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
         "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
         "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
-        "latency_ms": r["latency_ms"], "score": r["score"],
+        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"),
     }
     row.update(row_from_params(r["params"]))
     return row

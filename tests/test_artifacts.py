@@ -102,6 +102,25 @@ def test_write_load_round_trip(tmp_path):
     assert pq.read_table(path / "heads.parquet").schema.remove_metadata().equals(art_io.HEADS_SCHEMA)
 
 
+def test_reason_round_trips_and_files_without_the_column_still_load(tmp_path):
+    rows = mix_rows()
+    rows[1]["reason"] = "no candidate within budget: the cheapest"
+    path = make_artifact(tmp_path / "art", rows)
+    loaded = {(r["layer"], r["head"]): r["reason"] for r in load_artifact(path).head_rows()}
+    assert loaded[(rows[1]["layer"], rows[1]["head"])] == "no candidate within budget: the cheapest"
+    assert sum(v is not None for v in loaded.values()) == 1
+    # An artifact written before the column existed: heads.parquet without it loads with reason null.
+    file = path / "heads.parquet"
+    table = pq.read_table(file)
+    old = table.drop_columns(["reason"]).replace_schema_metadata(table.schema.metadata)
+    pq.write_table(old, file)
+    rehash(path)
+    assert "reason" not in pq.read_table(file).column_names
+    art = load_artifact(path)
+    assert list(art.heads.columns) == [f.name for f in art_io.HEADS_SCHEMA]
+    assert all(r["reason"] is None for r in art.head_rows())
+
+
 def test_loaded_frame_can_be_written_again_unchanged(tmp_path):
     first = make_artifact(tmp_path / "a")
     art = load_artifact(first)

@@ -10,7 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sparsesearch.calibrate import CalibrateConfig, Progress, calibrate
+from sparsesearch.artifacts import load_artifact
+from sparsesearch.artifacts.schema import ArtifactError, validate
+from sparsesearch.calibrate import CalibrateConfig, Progress, calibrate, eval_specs
 from sparsesearch.search.cost import AnalyticCost
 from sparsesearch.search.layer import head_rows, score_layer
 from sparsesearch.search.space import load_space
@@ -184,6 +186,51 @@ def test_resume_gives_the_identical_artifact(tiny_model, space_file, tmp_path):
     drop = lambda m: {k: v for k, v in m.items() if k != "methods"}
     assert drop(a) == drop(b)
     assert a["methods"]["mminference"]["fidelity"] == b["methods"]["mminference"]["fidelity"]
+
+
+def test_heads_carry_why_the_pick_is_not_the_best_admissible(tiny_model, tmp_path):
+    # A target cheaper than every candidate: no head has an admissible candidate, each takes the cheapest,
+    # and heads.parquet says so per head (search/layer.py choose_head's reason).
+    space = tmp_path / "tight.json"
+    space.write_text(json.dumps({**SPACE, "target": {"pattern": "ashape", "params": {"sink": 8, "local": 8}}, "candidates": SPACE["candidates"][1:]}))
+    res = calibrate(_cfg(tiny_model, tmp_path / "a", space, eval_data=""))
+    rows = load_artifact(res.path).head_rows()
+    assert rows and all(r["reason"] == "no candidate within budget: the cheapest" for r in rows)
+    shown = json.loads(CliRunner().invoke(app, ["inspect", str(res.path), "--json"]).stdout)["reasons"]
+    assert len(shown) == len(rows)
+
+
+def test_eval_specs_split_on_commas():
+    assert eval_specs("text:shakespeare, synthetic:passkey") == ["text:shakespeare", "synthetic:passkey"]
+    assert eval_specs("") == eval_specs(None) == eval_specs(" , ") == []
+    assert eval_specs(CalibrateConfig().eval_data) == ["text:shakespeare"]  # the default: a KL that can fail on any model
+
+
+def test_fidelity_on_several_held_out_sources(tiny_model, space_file, tmp_path):
+    # Natural text first (its teacher-forced KL is the record's), passkey second (retrieval counts, under ``also``).
+    story = tmp_path / "story.txt"
+    story.write_text("".join(f"Line {i}: the river runs past the mill and the miller counts sacks of grain.\n" for i in range(400)))
+    res = calibrate(_cfg(tiny_model, tmp_path / "a", space_file, eval_data=f"{story},synthetic:passkey", eval_tokens=256))
+    fid = load_artifact(res.path).manifest["methods"]["mminference"]["fidelity"]  # loading validates the schema
+    assert fid["eval_data"] == str(story) and fid["teacher_forced"]["kl_mean"] > 0 and fid["retrieval"] is None
+    (also,) = fid["also"]
+    assert also["eval_data"] == "synthetic:passkey" and also["retrieval"]["n"] == 1 and also["teacher_forced"]["tokens"] > 0
+    broken = json.loads(json.dumps(res.manifest))
+    broken["methods"]["mminference"]["fidelity"]["also"][0]["samples"] = 0
+    with pytest.raises(ArtifactError, match=r"fidelity\.also\[0\]\.samples"):  # the schema checks every source's report
+        validate(broken)
+    human = CliRunner().invoke(app, ["calibrate", "--model", tiny_model, "--search-space", str(space_file), "--max-tokens", "512",
+                                     "--min-tokens", "128", "--data", "synthetic:passkey", "--eval-tokens", "256", "--resume",
+                                     "--eval-data", f"{story},synthetic:passkey", "--out", str(tmp_path / "b")])
+    assert human.exit_code == 0, human.output
+    shown = " ".join(human.stdout.split())  # rich wraps long lines at 80 columns
+    assert f"held-out {story}, 1 prompt(s)" in shown and "held-out synthetic:passkey, 1 prompt(s)" in shown
+
+
+def test_bad_eval_source_in_a_list_exits_2(tiny_model, space_file, tmp_path):
+    result = CliRunner().invoke(app, ["calibrate", "--model", tiny_model, "--search-space", str(space_file),
+                                      "--out", str(tmp_path / "a"), "--eval-data", "synthetic:passkey,synthetic:nope"])
+    assert result.exit_code == 2 and "unknown synthetic set" in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("args, message", [

@@ -64,6 +64,19 @@ def test_inspect_json_and_table(tmp_path):
     assert human.exit_code == 0 and "pattern mix per layer" in human.stdout
 
 
+def test_inspect_shows_why_a_pick_is_not_the_best(tmp_path):
+    rows = mix_rows()
+    rows[2]["reason"] = "dense: the best admissible sparse candidate (ashape) has output error 0.8 > max_error 0.5"
+    path = make_artifact(tmp_path / "art", rows)
+    summary = json.loads(run("inspect", path, "--json").stdout)
+    assert summary["reasons"] == [{"layer": rows[2]["layer"], "head": rows[2]["head"], "q_modality": "all", "k_modality": "all",
+                                   "pattern": rows[2]["pattern"], "reason": rows[2]["reason"]}]
+    human = run("inspect", path).stdout
+    assert "not the head's best admissible sparse candidate (1)" in human
+    assert "candidate (ashape) has output error" in human  # the reason cell (wrapped at 80 columns)
+    assert "best admissible" not in run("inspect", make_artifact(tmp_path / "plain")).stdout
+
+
 # -------------------------------------------------------------------------------------------- validate
 
 

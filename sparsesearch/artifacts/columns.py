@@ -64,8 +64,15 @@ HEADS_SCHEMA = pa.schema(
         pa.field("output_error", pa.float64(), nullable=True),  # relative L2 error of the head's output
         pa.field("latency_ms", pa.float64(), nullable=True),    # measured (GPU) or modelled (CPU) cost
         pa.field("score", pa.float64(), nullable=True),         # the objective value the search ranked by
+        # Why the pick is not the head's best admissible sparse candidate (search/layer.py choose_head, or a
+        # quality target that left the head dense); null when it is, or when not searched:
+        pa.field("reason", pa.string(), nullable=True),
     ]
 )
+
+# Nullable columns added to heads.parquet v1 after artifacts without them were written: such a file loads
+# with the column null (artifacts/io.py), so no migration is needed. New columns go here and at the end.
+ADDED_COLUMNS = ("reason",)
 
 
 def is_global(row: dict) -> bool:
@@ -90,7 +97,7 @@ def window_row(layer: int, head: int, window: int, *, density: float | None = No
         "layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES,
         "boundary": "none", "pattern": "ashape", **row_from_params(window_params(window)),
         "block_m": WINDOW_BLOCK, "block_n": WINDOW_BLOCK, "density": density, "recall": None,
-        "output_error": None, "latency_ms": None, "score": None,
+        "output_error": None, "latency_ms": None, "score": None, "reason": None,
     }
 
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..models.info import ModelInfo
-from .columns import HEADS_SCHEMA
+from .columns import ADDED_COLUMNS, HEADS_SCHEMA
 from .migrations import manifest_version, migrate
 from .schema import SCHEMA_VERSION, ArtifactError, validate
 from .tables import HEADS_FILE, check_heads, heads_records, heads_table
@@ -339,6 +339,7 @@ def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
             raise ArtifactError(f"{root}: {name} has schema version {shown} in its Parquet metadata, manifest.json has {stored_version}")
         table = table.replace_schema_metadata(None)
         if name == HEADS_FILE:
+            table = _with_added_columns(table)
             _check_heads_schema(table, root)
             records = heads_records(table.to_pylist(), where=f"{root}: {HEADS_FILE}")
             check_heads(records, manifest)
@@ -346,6 +347,15 @@ def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
     if model_info is not None:
         check_fits(manifest, model_info)
     return Artifact(root, manifest, tables)
+
+
+def _with_added_columns(table: pa.Table) -> pa.Table:
+    """heads.parquet with each of ADDED_COLUMNS it predates appended as all-null (written before it existed)."""
+    for name in ADDED_COLUMNS:
+        if name not in table.column_names:
+            typ = HEADS_SCHEMA.field(name).type
+            table = table.append_column(pa.field(name, typ, nullable=True), pa.nulls(table.num_rows, type=typ))
+    return table
 
 
 def _check_heads_schema(table: pa.Table, root: Path) -> None:

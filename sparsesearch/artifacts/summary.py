@@ -34,11 +34,19 @@ def _stats(values: list[float]) -> dict | None:
     return {"count": len(values), "min": min(values), "mean": fmean(values), "max": max(values)}
 
 
+def reasons(rows: list[dict]) -> list[dict]:
+    """The rows that carry a ``reason`` (why the pick is not the head's best admissible sparse candidate),
+    in stored order: layer, head, modality pair, pattern and the reason."""
+    return [{"layer": r["layer"], "head": r["head"], "q_modality": r["q_modality"], "k_modality": r["k_modality"],
+             "pattern": r["pattern"], "reason": r["reason"]} for r in rows if r.get("reason")]
+
+
 def summarize(artifact: Artifact) -> dict:
     """Model, provenance, methods, files, and per-layer pattern and boundary mix with mean density and
     score. Per-layer figures and metrics cover the global (all x all) rows, one per head; the modality
     region rows of multi-modal calibrations are counted in ``modality_pairs``. On a hybrid model each layer
-    says whether it is "sliding" (its rows are the model's window, ``window``) or "global" (searched)."""
+    says whether it is "sliding" (its rows are the model's window, ``window``) or "global" (searched).
+    ``reasons``: the rows whose pick is not their best admissible candidate, with why (``reasons``)."""
     m = artifact.manifest
     model = m["model"]
     rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
@@ -81,4 +89,5 @@ def summarize(artifact: Artifact) -> dict:
         "modality_pairs": dict(sorted(Counter(f"{r['q_modality']}->{r['k_modality']}" for r in rows).items())),
         "metrics": {name: _stats([r[name] for r in global_rows if r[name] is not None]) for name in METRICS},
         "layers": layers,
+        "reasons": reasons(rows),
     }

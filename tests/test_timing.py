@@ -1,0 +1,85 @@
+"""benchmarks/timing.py: the interleaved loop alternates its callables and reports each one's median."""
+
+import statistics
+
+import pytest
+
+from benchmarks.timing import Clock, cpu_clock, interleaved_ms
+
+
+class FakeDevice:
+    """A clock whose time moves only when a fake kernel runs: call i of `name` takes durations[name][i] ms.
+    Records the call order and how many syncs the loop issued."""
+
+    def __init__(self, durations: dict[str, list[float]]):
+        self.now, self.calls, self.syncs, self.durations = 0.0, [], 0, durations
+
+    def fn(self, name: str):
+        def call():
+            self.now += self.durations[name][sum(c == name for c in self.calls)]
+            self.calls.append(name)
+        return call
+
+    def clock(self) -> Clock:
+        def sync():
+            self.syncs += 1
+        return Clock(mark=lambda: self.now, elapsed=lambda a, b: b - a, sync=sync)
+
+
+def test_alternates_and_takes_medians_of_the_timed_rounds():
+    # Warm-up calls are slow (compilation) and the baseline drifts upward; the medians must come from the
+    # 5 timed rounds alone, per callable.
+    kernel = [100.0, 90.0, 1.0, 3.0, 2.0, 50.0, 2.5]
+    sdpa = [200.0, 180.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+    dev = FakeDevice({"kernel": kernel, "sdpa": sdpa})
+    timed = interleaved_ms([dev.fn("kernel"), dev.fn("sdpa")], clock=dev.clock(), warmup=2, reps=5)
+    assert dev.calls == ["kernel", "sdpa"] * 7
+    assert timed.reps == 5
+    assert timed.ms == (statistics.median(kernel[2:]), statistics.median(sdpa[2:]))
+    assert timed.ms == (2.5, 12.0)
+    assert dev.syncs == 7  # one per round, never between the calls of a round
+
+
+def test_flush_runs_before_every_call_outside_its_marks():
+    dev = FakeDevice({"a": [1.0] * 4, "b": [2.0] * 4})
+    flushed = []
+
+    def flush():
+        flushed.append(len(dev.calls))
+        dev.now += 1000.0  # a flush that takes time must not show up in any call's time
+
+    timed = interleaved_ms([dev.fn("a"), dev.fn("b")], clock=dev.clock(), flush=flush, warmup=1, reps=3)
+    assert flushed == list(range(8))
+    assert timed.ms == (1.0, 2.0)
+
+
+def test_counts_from_the_time_budget():
+    # Three probe rounds of 1 + 4 ms: 5 ms a round -> ceil(20 / 5) = 4 warm-up and ceil(50 / 5) = 10 timed.
+    dev = FakeDevice({"a": [1.0] * 100, "b": [4.0] * 100})
+    timed = interleaved_ms([dev.fn("a"), dev.fn("b")], clock=dev.clock(), warmup_ms=20, rep_ms=50)
+    assert timed.reps == 10
+    assert dev.calls == ["a", "b"] * (3 + 4 + 10)
+    assert timed.ms == (1.0, 4.0)
+
+
+def test_at_least_five_and_at_most_max_reps():
+    slow = FakeDevice({"a": [1000.0] * 100})
+    assert interleaved_ms([slow.fn("a")], clock=slow.clock(), warmup_ms=0, rep_ms=1).reps == 5
+    fast = FakeDevice({"a": [0.001] * 100})
+    assert interleaved_ms([fast.fn("a")], clock=fast.clock(), warmup_ms=0, rep_ms=1e6, max_reps=20).reps == 20
+
+
+def test_cpu_callables_on_the_wall_clock():
+    order = []
+    timed = interleaved_ms([lambda: order.append(0), lambda: order.append(1) or sum(range(20000))],
+                           clock=cpu_clock(), warmup=1, reps=9)
+    assert order == [0, 1] * 10
+    assert 0 < timed.ms[0] < timed.ms[1]  # summing 20000 ints costs more than appending one
+
+
+@pytest.mark.parametrize("kwargs", [{"reps": 0, "warmup": 0}, {"reps": 3, "warmup": -1}])
+def test_bad_counts(kwargs):
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        interleaved_ms([lambda: None], **kwargs)
+    with pytest.raises(ValueError, match="at least one callable"):
+        interleaved_ms([])
