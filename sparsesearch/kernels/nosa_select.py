@@ -235,19 +235,15 @@ class SelectScratch:
         self.sel = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.in_map = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.free_slot = torch.zeros(pairs, k, dtype=torch.int32, device=device)
-        self.fetch = {r: (torch.empty(pairs * r, dtype=torch.int64, device=device), torch.empty(pairs * r, dtype=torch.int64, device=device))
-                      for r in {0, k}}
         self.mask = torch.empty(pairs, (k + 1) * block, dtype=dtype, device=device)
         self.group_pad = gp
+        self.fetch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fetch_lists(k)  # a block start's list, before any graph capture
 
     def fits(self, pairs: int, group: int, n_units: int, n_blocks: int, k: int, block: int, dtype: torch.dtype) -> bool:
         """Whether a decoder of this shape can use these buffers."""
         return (self.logits.shape[::2] == (pairs, max(n_units, 1)) and self.sel.shape == (pairs, n_blocks) and self.free_slot.shape[1] == k
                 and self.mask.shape[1] == (k + 1) * block and self.mask.dtype == dtype and self.group_pad == max(16, triton.next_power_of_2(group)))
-
-    def nbytes(self) -> int:
-        tensors = [self.logits, self.stats, self.key_q, self.sel, self.in_map, self.free_slot, self.mask]
-        return sum(t.numel() * t.element_size() for t in tensors + [x for pair in self.fetch.values() for x in pair])
 
     def fetch_lists(self, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) int64 [pairs · ranks]: one pair of buffers per fetch-list length, kept for graphs."""
