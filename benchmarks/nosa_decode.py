@@ -26,7 +26,6 @@ Needs a CUDA GPU. Rows: one JSON line each (--out), a markdown table on stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -38,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.rows import emit, write_jsonl
 from sparsesearch.nosa.config import make_config
+from sparsesearch.kernels.nosa_attend import default_splits
 from sparsesearch.nosa.device import SlotDecoder
 
 
@@ -102,14 +103,18 @@ def kv_bytes(shape: Shape, tokens: int) -> int:
     return sum(per_token * (tokens if shape.is_global(i) else min(tokens, shape.window)) for i in range(shape.layers))
 
 
-def nosa_bytes(shape: Shape, cfg, context: int, fused: bool = True) -> int:
+def nosa_bytes(shape: Shape, cfg, context: int, fused: bool = True, splits: int = 0) -> int:
     """GPU bytes per sequence of the NOSA cache: slots + tail, compressed keys, token scores, key ring and
-    agnostic block scores on global layers (as SlotDecoder.memory counts them); sliding layers as dense."""
+    agnostic block scores on global layers (as SlotDecoder.memory counts them); sliding layers as dense;
+    the fused kernels' scratch (shared by the layers) once, the slot attention's split partials when
+    ``splits``."""
     cap = -(-(context + 64) // cfg.block) * cfg.block
     h, d = shape.kv_heads, shape.dim
     per_layer = h * (2 * (cfg.k + 1) * cfg.block * d * 2 + (cap // cfg.stride) * d * 2 + cap * 4 + cfg.kernel * d * 2 + (cap // cfg.block) * 4 + cfg.k * 8)
     sliding = 2 * h * d * 2 * min(context, shape.window)
-    return sum(per_layer if shape.is_global(i) else sliding for i in range(shape.layers)) + (select_scratch_bytes(shape, cfg, cap) if fused else 0)
+    group_pad = max(16, 1 << (shape.heads // shape.kv_heads - 1).bit_length())
+    partials = h * splits * group_pad * (d + 2) * 4  # kernels/nosa_attend.py AttendScratch
+    return sum(per_layer if shape.is_global(i) else sliding for i in range(shape.layers)) + (select_scratch_bytes(shape, cfg, cap) if fused else 0) + partials
 
 
 def select_scratch_bytes(shape: Shape, cfg, cap: int) -> int:
@@ -201,7 +206,7 @@ class Nosa:
     as Dense (their window stays on the GPU in both systems)."""
 
     def __init__(self, shape: Shape, cfg, batch: int, context: int, steps: int, device: str, host_gib: float, rho: float, seed: int = 0,
-                 fused: bool = True):
+                 fused: bool = True, attention: str = "triton"):
         self.shape, self.rho = shape, rho
         g = torch.Generator(device=device).manual_seed(seed)
         capacity = context + steps + cfg.block
@@ -211,12 +216,15 @@ class Nosa:
         stores = []
         self.decoders, self.window = {}, Dense(shape, batch, context, device) if shape.window else None
         lengths = torch.full((batch,), context, dtype=torch.long, device=device)
+        attention = attention if fused else "sdpa"
         for n, i in enumerate(globals_):
             evict = (torch.randn(shape.kv_heads, shape.dim, generator=g, device=device) / math.sqrt(shape.dim), torch.rand(shape.kv_heads, generator=g, device=device))
             host = stores[n % self.stores] if n >= self.stores else None
+            first = next(iter(self.decoders.values()), None)  # layers share the fused kernels' scratch
             dec = SlotDecoder(cfg, batch=batch, kv_heads=shape.kv_heads, group=shape.heads // shape.kv_heads, dim=shape.dim, capacity=capacity,
-                              dtype=torch.bfloat16, device=device, eviction=evict, seed=seed, host=host, fused=fused,
-                              scratch=next(iter(self.decoders.values())).scratch if fused and self.decoders else None)
+                              dtype=torch.bfloat16, device=device, eviction=evict, seed=seed, host=host, fused=fused, attention=attention,
+                              scratch=first.scratch if fused and first else None,
+                              attend_scratch=first.attend_scratch if attention == "triton" and first else None)
             if host is None:
                 stores.append((dec.keys_host, dec.values_host))
             keys = torch.randn(batch, shape.kv_heads, context, shape.dim, generator=g, device=device, dtype=torch.bfloat16)
@@ -225,6 +233,17 @@ class Nosa:
             del keys, values
             self.decoders[i] = dec
         first = next(iter(self.decoders.values()))
+        if attention == "triton":  # kernels/nosa_attend.py, the missed blocks fetched inside it
+            self.form = f"triton-split{first.attend_scratch.splits}"
+        else:
+            self.form = self._fastest_sdpa(first, batch, shape, device)
+            for dec in self.decoders.values():
+                dec.backends = [getattr(SDPBackend, self.form)]
+        self.q_state = {i: torch.zeros(batch, shape.heads, shape.dim, device=device, dtype=torch.bfloat16) for i in globals_}
+
+    @staticmethod
+    def _fastest_sdpa(first: SlotDecoder, batch: int, shape: Shape, device: str) -> str:
+        """The faster masked SDPA backend for the slot attention at this shape."""
         probe = torch.randn(batch, shape.heads, shape.dim, device=device, dtype=torch.bfloat16)
         forms = {b.name: [b] for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)}
 
@@ -232,10 +251,7 @@ class Nosa:
             first.backends = backends
             return first.attend(probe)
 
-        self.form = fastest({name: (lambda b=b: slot_attention(b)) for name, b in forms.items()})
-        for dec in self.decoders.values():
-            dec.backends = forms[self.form]
-        self.q_state = {i: torch.zeros(batch, shape.heads, shape.dim, device=device, dtype=torch.bfloat16) for i in globals_}
+        return fastest({name: (lambda b=b: slot_attention(b)) for name, b in forms.items()})
 
     def attend(self, i, q, k, v):
         if i not in self.decoders:
@@ -326,14 +342,16 @@ def profile(stack: Stack, system, x: torch.Tensor, steps: int = 3) -> None:
 def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
     shape = SHAPES[shape_name]
     device = "cuda"
-    ratio = nosa_bytes(shape, cfg, context, not args.torch_select) / kv_bytes(shape, context)
-    dense_batch = int(eb * ratio)
+    fused = not args.torch_select
+    attention = args.attention if fused else "sdpa"
+    splits = default_splits(eb * shape.kv_heads, cfg.k + 1, torch.device(device)) if attention == "triton" else 0
+    nosa_per_seq = nosa_bytes(shape, cfg, context, fused, splits)
+    dense_batch = int(eb * nosa_per_seq / kv_bytes(shape, context))
     rows = []
     stack = Stack(shape, device)
     common = dict(device=torch.cuda.get_device_name(), shape=shape_name, context=context, eb=eb, block=cfg.block, k=cfg.k, k_q=cfg.k_q,
                   proxy=cfg.proxy, rho=args.query_locality, graph=not args.eager, gpu_kv_bytes_per_seq_dense=kv_bytes(shape, context),
-                  gpu_kv_bytes_per_seq_nosa=nosa_bytes(shape, cfg, context, not args.torch_select),
-                  selection="torch" if args.torch_select else "fused")
+                  gpu_kv_bytes_per_seq_nosa=nosa_per_seq, selection="fused" if fused else "torch", slot_attention=attention)
     for method, batch in (("dense", dense_batch), ("nosa", eb)):
         if batch < 1:
             rows.append(common | dict(method=method, batch=0, note="no feasible batch under this KV budget"))
@@ -342,7 +360,7 @@ def measure(args, shape_name: str, context: int, eb: int, cfg) -> list[dict]:
         x = torch.randn(batch, shape.hidden, device=device, dtype=torch.bfloat16)
         t0 = time.perf_counter()
         system = Dense(shape, batch, context, device) if method == "dense" else Nosa(shape, cfg, batch, context, args.warmup + args.steps + 2, device, args.host_gib, args.query_locality,
-                                                                               fused=not args.torch_select)
+                                                                               fused=fused, attention=attention)
         setup = time.perf_counter() - t0
         before = [(0, 0)]
 
@@ -389,6 +407,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's layer count (profiling)")
     ap.add_argument("--torch-select", action="store_true", help="the torch selection path instead of the fused kernel (the before row)")
+    ap.add_argument("--attention", default="triton", choices=["triton", "sdpa"],
+                    help="slot attention with the fused step: the Triton kernel that fetches missed blocks itself, or UVA gathers + masked SDPA")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of a few eager NOSA steps (torch.profiler)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -408,13 +428,8 @@ def main(argv=None) -> int:
                 except torch.OutOfMemoryError as err:
                     got = [dict(shape=args.shape, context=context, eb=eb, k_q=cfg.k_q, note=f"OOM: {str(err).splitlines()[0][:120]}")]
                     torch.cuda.empty_cache()
-                for r in got:
-                    r["command"] = command
-                    print(json.dumps(r), flush=True)
-                rows += got
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                rows += emit(got, command)
+    write_jsonl(args.out, rows)
     print("\n| shape | context | EB | k_q/k | method | batch | step ms | tok/s | × dense | hit rate | H2D MB/step |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -14,13 +14,13 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.rows import write_jsonl
 from sparsesearch.kernels.gather import CHUNK_BYTES, NUM_WARPS, ROWS_PER_PROGRAM, gather_blocks
 
 POOL_BYTES = 1 << 30  # the host-side KV store the blocks are drawn from: far larger than any L2 or TLB reach
@@ -92,9 +92,7 @@ def main() -> None:
     for block_bytes in args.block_bytes:
         for blocks in args.blocks:
             rows.extend({**env, **r} for r in case(block_bytes, blocks, args.reps, args.inner, settings))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(args.out, rows)
     print(f"{env['device']} · torch {env['torch']} · `{env['command']}`")
     print("| block | blocks | MiB | contiguous GB/s | gather GB/s, default | ratio | best gather GB/s (setting) | ratio | index_select+copy GB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -14,14 +14,15 @@ from sparsesearch.nosa.config import NosaConfig
 from sparsesearch.nosa.device import SlotDecoder
 
 
-def _pair(cfg, lengths, *, heads=2, group=2, dim=16, steps=20, dtype=torch.float32, seed=0, same_keys=False):
-    """A torch-path and a fused decoder over one random prompt; yields (decoders, q, outputs) after every step."""
+def _pair(cfg, lengths, *, heads=2, group=2, dim=16, steps=20, dtype=torch.float32, seed=0, same_keys=False, attention=None):
+    """A torch-path and a fused decoder (its attention: ``attention``, default the Triton slot attention) over
+    one random prompt; yields (decoders, q, outputs) after every step."""
     torch.manual_seed(seed)
     batch = lengths.numel()
     eviction = (torch.randn(heads, dim, device=DEVICE), torch.rand(heads, device=DEVICE) + 0.5) if cfg.proxy == "trained" else None
     capacity = int(lengths.max()) + steps + 1
     decs = [SlotDecoder(cfg, batch=batch, kv_heads=heads, group=group, dim=dim, capacity=capacity, dtype=dtype, device=DEVICE,
-                        eviction=eviction, seed=3, fused=fused) for fused in (False, True)]
+                        eviction=eviction, seed=3, fused=fused, attention=attention if fused else None) for fused in (False, True)]
     n0 = int(lengths.max())
     keys = torch.ones(batch, heads, n0, dim, dtype=dtype) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
     values = torch.ones_like(keys) if same_keys else torch.randn(batch, heads, n0, dim, dtype=dtype)
@@ -78,13 +79,16 @@ def test_ties_resolve_to_the_lower_block_like_the_stable_sort():
     assert sel == [0, 1, 2, 3, tail - 1]  # sink, then the lowest blocks, then the window
 
 
-def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound():
-    """bf16: the slots hold exactly the kernel's own selection (as the host store has it), the kernel's mask
-    is the one the torch path builds from that slot map (eviction bias included), so the output is the
-    torch path's attention over it; inside a block at most k_q selected blocks are new."""
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound(attention):
+    """bf16: the slots hold exactly the kernel's own selection (as the host store has it: the Triton
+    attention fetched the missed blocks itself), the output is attention over exactly that slot map
+    (eviction bias included; for SDPA the kernel's mask is the one the torch path builds from it); inside
+    a block at most k_q selected blocks are new."""
     cfg = NosaConfig(block=16, k=8, k_q=2, n_init=1, n_win=1, proxy="trained")
     prev = None
-    for decs, q, (_, out) in _pair(cfg, torch.tensor([300, 211]), heads=2, group=4, dim=32, steps=24, dtype=torch.bfloat16, seed=1):
+    for decs, q, (_, out) in _pair(cfg, torch.tensor([300, 211]), heads=2, group=4, dim=32, steps=24, dtype=torch.bfloat16, seed=1,
+                                   attention=attention):
         dec = decs[1]
         sel = dec.last_selected.cpu()
         if prev is not None:
@@ -99,7 +103,13 @@ def test_bf16_fused_attends_exactly_its_selection_and_keeps_the_bound():
                     if blk >= 0:
                         assert torch.equal(dec.slots_k[b, h, slot * 16:(slot + 1) * 16].cpu(), dec.keys_host[b, h, blk * 16:(blk + 1) * 16])
                         assert torch.equal(dec.slots_v[b, h, slot * 16:(slot + 1) * 16].cpu(), dec.values_host[b, h, blk * 16:(blk + 1) * 16])
-        mask, want = dec.scratch.mask.view(2, 2, 1, -1), dec._mask(q)
+        want = dec._mask(q)
+        if attention == "triton":  # against float32 attention over the same slots and float32 bias (bf16 SDPA rounds both)
+            ref = torch.nn.functional.scaled_dot_product_attention(q.view(2, 2, 4, 32).float(), dec.slots_k.float(), dec.slots_v.float(),
+                                                                   attn_mask=dec._mask(q.float()), scale=dec.scale)
+            torch.testing.assert_close(out.float(), ref.reshape(2, 8, 32), rtol=2 ** -7, atol=2 ** -7)  # about 1 bf16 ulp
+            continue
+        mask = dec.scratch.mask.view(2, 2, 1, -1)
         assert torch.equal(torch.isinf(mask), torch.isinf(want))
         # the bias within one bf16 step: the interpreter's float32 -> bf16 cast need not round as torch's does
         torch.testing.assert_close(mask.float(), want.float(), rtol=2 ** -7, atol=0)
@@ -143,3 +153,26 @@ def test_fused_append_refuses_what_it_cannot_score_or_tile():
         append_token(x, x, torch.zeros(1, dtype=torch.long), *[x] * 7, proxy="snapkv", **kw)
     with pytest.raises(ValueError, match="head_dim 24 and the pooling kernel 32 must be powers of two"):
         append_token(x, x, torch.zeros(1, dtype=torch.long), *[x] * 7, proxy="vnorm", **kw)
+
+
+@pytest.mark.parametrize("splits", [3, 8])
+def test_split_slot_attention_merges_to_the_same_steps(monkeypatch, splits):
+    """The slot attention split along the slots (flash-decoding; 8 splits of 2 slots leave the last split
+    empty: max -inf, weight 0 in the merge) gives the torch path's steps."""
+    from sparsesearch.nosa import device
+
+    monkeypatch.setattr(device, "default_splits", lambda pairs, slots, dev: splits)
+    cfg = NosaConfig(block=16, k=12, k_q=4, n_init=1, n_win=2, proxy="trained")
+    for decs, _, (plain, fused) in _pair(cfg, torch.tensor([400, 215]), group=4, steps=6):
+        assert torch.equal(decs[0].slot_map, decs[1].slot_map)
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert decs[1].attend_scratch.splits == splits
+
+
+def test_slot_attention_refuses_what_it_cannot_serve():
+    cfg = NosaConfig(block=16, k=4, k_q=1, n_init=1, n_win=1, proxy="vnorm")
+    kw = dict(batch=1, kv_heads=1, group=1, dim=16, capacity=64, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="attention 'triton' fetches from the fused selection's slot list: it needs fused=True"):
+        SlotDecoder(cfg, fused=False, attention="triton", **kw)
+    with pytest.raises(ValueError, match="attention must be 'triton' or 'sdpa', got 'flash'"):
+        SlotDecoder(cfg, fused=True, attention="flash", **kw)

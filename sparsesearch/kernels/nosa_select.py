@@ -18,8 +18,9 @@ layer at 32K, batch 16, on an H200):
 4. ``_slot_map_kernel`` (pair): a slot whose block stays selected keeps it, the others are freed; the
    i-th missing block (block order) goes to the i-th free slot (slot order) for i < ``ranks``, written as
    the fetch list (host block row, slot row) for the UVA gather (kernels/gather.py), misses past
-   ``ranks`` counted as dropped; then the attention's additive mask over slots and tail: 0 (or the
-   eviction score, ED-DMA's logit bias) on resident tokens, -inf elsewhere.
+   ``ranks`` counted as dropped; per slot, the host row it is to be filled from (kernels/nosa_attend.py
+   reads it there, fetching inside the attention); for SDPA, the attention's additive mask over slots and
+   tail: 0 (or the eviction score, ED-DMA's logit bias) on resident tokens, -inf elsewhere.
 
 Ranking by counting every other block (O(blocks²) per pair) took 30-60 µs per launch at 32K and batch
 16 on an H200 and grew with the batch; the bisection is O(32 · blocks). Static shapes throughout, no
@@ -34,6 +35,7 @@ import triton.language as tl
 
 BLOCK_UNITS = 64  # compressed keys per phase-1 tile
 BLOCK_BLOCKS = 64  # blocks per block-score program
+SELECT_WARPS = 8  # the top-k program's warps: its 64 bisection steps are reductions over the block row (H200, 32K, batch 16: 2 warps 47 µs, 4 21, 8 15, 16 17)
 
 
 @triton.jit
@@ -152,17 +154,17 @@ def _select_kernel(key_q, se, sel, in_map, lengths, kv_heads, n_blocks, count_qa
 
 
 @triton.jit
-def _slot_map_kernel(lengths, scores, slot_map, sel, in_map, free_slot, fetch_src, fetch_dst, mask, counters,
+def _slot_map_kernel(lengths, scores, slot_map, sel, in_map, free_slot, fetch_src, fetch_dst, fetch_from, mask, counters,
                      kv_heads, n_blocks, k, ranks, capacity,
                      BB: tl.constexpr, KP: tl.constexpr, KERNEL: tl.constexpr, STRIDE: tl.constexpr, BS: tl.constexpr,
-                     BIAS: tl.constexpr):
-    """Program (pair): slot map by set difference, the fetch list, the counters and the attention mask."""
+                     BIAS: tl.constexpr, MASK: tl.constexpr):
+    """Program (pair): slot map by set difference, the fetch list (and per slot: the host row it is to
+    be filled from, for kernels/nosa_attend.py), the counters and, with MASK, the attention mask."""
     pid = tl.program_id(0)
     length, n_seen, tail = _frame(lengths, pid, kv_heads, KERNEL, STRIDE, BS)
     row_b = pid.to(tl.int64) * n_blocks
     row_k = pid.to(tl.int64) * k
     row_r = pid.to(tl.int64) * ranks
-    neg = float("-inf")
     s_ids = tl.arange(0, KP)
     r_ok = s_ids < ranks
     tl.store(fetch_src + row_r + s_ids, tl.full([KP], -1, tl.int64), mask=r_ok)
@@ -179,6 +181,7 @@ def _slot_map_kernel(lengths, scores, slot_map, sel, in_map, free_slot, fetch_sr
     free_rank = tl.cumsum(free, axis=0) - free
     tl.store(free_slot + row_k + free_rank, s_ids, mask=free != 0)
     tl.store(slot_map + row_k + s_ids, tl.where(keep, old, -1), mask=s_live)
+    tl.store(fetch_from + row_k + s_ids, tl.full([KP], -1, tl.int64), mask=s_live)
     tl.debug_barrier()  # the program's warps exchange in_map, free_slot and slot_map through memory
 
     # the i-th missing block (block order) -> the i-th free slot, for i < ranks; the rest are dropped
@@ -195,12 +198,21 @@ def _slot_map_kernel(lengths, scores, slot_map, sel, in_map, free_slot, fetch_sr
         tl.store(fetch_src + row_r + rank, row_b + jj, mask=take)
         tl.store(fetch_dst + row_r + rank, pid.to(tl.int64) * (k + 1) + slot, mask=take)
         tl.store(slot_map + row_k + slot, jj.to(tl.int64), mask=take)
+        tl.store(fetch_from + row_k + slot, row_b + jj, mask=take)
         carry += tl.sum(miss, axis=0)
     tl.atomic_add(counters, tl.minimum(carry, ranks).to(tl.int64))
     tl.atomic_add(counters + 1, tl.maximum(carry - ranks, 0).to(tl.int64))
-    tl.debug_barrier()
+    if MASK:
+        tl.debug_barrier()
+        _write_mask(scores, slot_map, mask, pid, k, capacity, length, tail, KP, BS, BIAS)
 
-    # additive mask over the k slots and the tail slot: bias (or 0) on resident tokens, -inf elsewhere
+
+@triton.jit
+def _write_mask(scores, slot_map, mask, pid, k, capacity, length, tail, KP: tl.constexpr, BS: tl.constexpr, BIAS: tl.constexpr):
+    """The pair's additive attention mask over the k slots and the tail slot (for SDPA), from its updated
+    slot map: the bias (or 0) on resident tokens, -inf elsewhere."""
+    row_k = pid.to(tl.int64) * k
+    neg = float("-inf")
     o = tl.arange(0, BS)
     width = (k + 1) * BS
     row_s = pid.to(tl.int64) * capacity
@@ -235,6 +247,7 @@ class SelectScratch:
         self.sel = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.in_map = torch.zeros(pairs, n_blocks, dtype=torch.int8, device=device)
         self.free_slot = torch.zeros(pairs, k, dtype=torch.int32, device=device)
+        self.fetch_from = torch.full((pairs, k), -1, dtype=torch.int64, device=device)
         self.mask = torch.empty(pairs, (k + 1) * block, dtype=dtype, device=device)
         self.group_pad = gp
         self.fetch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -256,7 +269,8 @@ class SelectScratch:
 
 def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, se: torch.Tensor, scores: torch.Tensor,
                    slot_map: torch.Tensor, counters: torch.Tensor, scratch: SelectScratch, *, block: int, k: int, k_q: int,
-                   n_init: int, n_win: int, kernel: int, stride: int, ranks: int, scale: float, bias: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   n_init: int, n_win: int, kernel: int, stride: int, ranks: int, scale: float, bias: bool,
+                   mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: selection (Eq. 3-5), slot map update, fetch list and attention mask for every
     (sequence, KV head).
 
@@ -265,8 +279,9 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
     per-token agnostic scores (the logit bias when ``bias``); slot_map long [B, Hkv, k] (block id or -1),
     updated in place; counters long [2] (+= fetched, dropped). Returns the fetch list (src, dst) int64
     [B · Hkv · ranks]: host block rows of the [B·Hkv·NB, block, D] store and slot rows of the
-    [B·Hkv·(k+1), block, D] slot buffer, -1 where there is nothing to fetch. scratch.mask [B·Hkv,
-    (k+1)·block] holds the attention mask and scratch.sel [B·Hkv, NB] the selected set afterwards.
+    [B·Hkv·(k+1), block, D] slot buffer, -1 where there is nothing to fetch; scratch.fetch_from [B·Hkv, k]
+    holds the same per slot (kernels/nosa_attend.py fetches from it). With ``mask``, scratch.mask [B·Hkv,
+    (k+1)·block] holds the attention mask (for SDPA); scratch.sel [B·Hkv, NB] the selected set afterwards.
     """
     batch, kv_heads, n_units, dim = units.shape
     group = q.shape[1] // kv_heads
@@ -288,7 +303,8 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
                                                 n_init, n_win, G=group, GP=scratch.group_pad, CP=triton.next_power_of_2(n_chunks),
                                                 BB=BLOCK_BLOCKS, RATIO=ratio, RP=triton.next_power_of_2(ratio + 1), **frame)
     _select_kernel[(pairs,)](scratch.key_q, se, scratch.sel, scratch.in_map, lengths, kv_heads, n_blocks, n_init + n_win + k_q, k,
-                             NBP=triton.next_power_of_2(n_blocks), **frame)
-    _slot_map_kernel[(pairs,)](lengths, scores, slot_map, scratch.sel, scratch.in_map, scratch.free_slot, src, dst, scratch.mask, counters,
-                               kv_heads, n_blocks, k, ranks, scores.shape[-1], BB=BLOCK_BLOCKS, KP=kp, BIAS=bias, **frame)
+                             NBP=triton.next_power_of_2(n_blocks), num_warps=SELECT_WARPS, **frame)
+    _slot_map_kernel[(pairs,)](lengths, scores, slot_map, scratch.sel, scratch.in_map, scratch.free_slot, src, dst, scratch.fetch_from,
+                               scratch.mask, counters, kv_heads, n_blocks, k, ranks, scores.shape[-1], BB=BLOCK_BLOCKS, KP=kp, BIAS=bias,
+                               MASK=mask, **frame)
     return src, dst

@@ -19,8 +19,11 @@ alone (``trained``: A·softplus(W·v), ``vnorm``: ||v||, ``random``), which is w
   (sequence, KV head), and all k at a step where some sequence starts a block. Blocks beyond the list
   would be dropped, so they are counted (``dropped``); tests and the benchmark assert it stays 0.
 
-Attention reads the slots with the group's query heads as rows: q [B, Hkv, G, D] against the slot buffer
-[B, Hkv, T, D] with a validity (and eviction-bias) mask, one SDPA call with no GQA expansion.
+Attention reads the slots with the group's query heads as rows (no GQA expansion). With the fused step it
+is one Triton launch (kernels/nosa_attend.py) that also fetches the step's missed blocks from the host
+store through UVA, so the PCIe reads overlap the attention's HBM reads instead of running before them;
+otherwise q [B, Hkv, G, D] against the slot buffer [B, Hkv, T, D] with a validity (and eviction-bias)
+mask, one SDPA call after the gathers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.gather import gather_blocks
 from ..kernels.nosa_append import append_token
+from ..kernels.nosa_attend import AttendScratch, default_splits, slot_attend
 from ..kernels.nosa_select import SelectScratch, select_and_map
 from .config import NosaConfig
 from .proxies import trained_scores
@@ -60,12 +64,15 @@ class SlotDecoder:
     A [Hkv]) for proxy ``trained`` (its scores are also the attention's additive logit bias); fused: select,
     map slots and build the mask in one Triton launch (kernels/nosa_select.py) instead of the torch ops
     below — the default on a GPU, where the torch path's ~80 launches per
-    layer dominated a step; scratch: the fused kernel's buffers, which layers run one after another may
-    share (a step's selection is consumed within the layer's step)."""
+    layer dominated a step; attention: ``triton`` (the fused step's default: kernels/nosa_attend.py, which
+    fetches the missed blocks inside the attention) or ``sdpa`` (UVA gathers, then masked SDPA; the torch
+    path's only choice); scratch / attend_scratch: the fused kernels' buffers, which layers run one after
+    another may share (a step's selection is consumed within the layer's step)."""
 
     def __init__(self, cfg: NosaConfig, *, batch: int, kv_heads: int, group: int, dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, eviction=None, seed: int = 0, host=None,
-                 fused: bool | None = None, scratch: SelectScratch | None = None):
+                 fused: bool | None = None, attention: str | None = None, scratch: SelectScratch | None = None,
+                 attend_scratch: AttendScratch | None = None):
         if cfg.proxy not in DEVICE_PROXIES:
             raise ValueError(f"proxy {cfg.proxy!r} needs the full history at each refresh; the sync-free decoder serves {', '.join(DEVICE_PROXIES)}")
         if cfg.proxy == "trained" and eviction is None:
@@ -105,6 +112,16 @@ class SlotDecoder:
             self.scratch = scratch or SelectScratch(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype, device)
             if not self.scratch.fits(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype):
                 raise ValueError("the shared selection scratch was made for another shape")
+        self.attention = attention or ("triton" if self.fused else "sdpa")
+        if self.attention not in ("triton", "sdpa"):
+            raise ValueError(f"attention must be 'triton' or 'sdpa', got {self.attention!r}")
+        if self.attention == "triton":
+            if not self.fused:
+                raise ValueError("attention 'triton' fetches from the fused selection's slot list: it needs fused=True")
+            if bs & (bs - 1) or bs < 16:
+                raise ValueError(f"attention 'triton' needs a power-of-two block >= 16, got {bs}")
+            pairs = batch * kv_heads
+            self.attend_scratch = attend_scratch or AttendScratch(pairs, default_splits(pairs, cfg.k + 1, device), self.scratch.group_pad, dim, device)
 
     # ------------------------------------------------------------------------------------------ prefill
 
@@ -169,6 +186,10 @@ class SlotDecoder:
         self.cold = False
         if self.fused:
             self.fused_select(q, ranks)
+            if self.attention == "triton":
+                return slot_attend(q.contiguous(), self.slots_k, self.slots_v, self.keys_host, self.values_host, self.slot_map,
+                                   self.scratch.fetch_from, self.scores, self.lengths, self.attend_scratch, block=self.cfg.block,
+                                   scale=self.scale, bias=self.cfg.proxy == "trained")
             return self.attend(q, self.scratch.mask.view(self.batch, self.kv_heads, 1, -1))
         self._selected = self.select(q)
         self.fetch(self._selected, ranks=ranks)
@@ -180,12 +201,15 @@ class SlotDecoder:
         return self.scratch.sel.view(self.batch, self.kv_heads, -1).bool() if self.fused else self._selected
 
     def fused_select(self, q: torch.Tensor, ranks: int) -> None:
-        """select + fetch in one launch (kernels/nosa_select.py) and the two UVA gathers of its fetch list;
-        the attention mask is left in scratch.mask."""
+        """Selection and slot map (kernels/nosa_select.py). For SDPA attention also the two UVA gathers of its
+        fetch list and the attention mask (left in scratch.mask); the Triton attention fetches by itself."""
         cfg, bs, dim = self.cfg, self.cfg.block, self.dim
         src, dst = select_and_map(self.units, q.contiguous(), self.lengths, self.se, self.scores, self.slot_map, self.counters, self.scratch,
                                   block=bs, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win, kernel=cfg.kernel,
-                                  stride=cfg.stride, ranks=min(ranks, self.n_blocks), scale=self.scale, bias=cfg.proxy == "trained")
+                                  stride=cfg.stride, ranks=min(ranks, self.n_blocks), scale=self.scale, bias=cfg.proxy == "trained",
+                                  mask=self.attention == "sdpa")
+        if self.attention == "triton":
+            return
         gather_blocks(self.keys_host.view(-1, bs, dim), src, self.slots_k.view(-1, bs, dim), dst)
         gather_blocks(self.values_host.view(-1, bs, dim), src, self.slots_v.view(-1, bs, dim), dst)
 
