@@ -29,6 +29,16 @@ runner = CliRunner()
     (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
     (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
     (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
+    (["spava", "run", "--generate", "-1"], "--generate must be >= 0 tokens"),
+    (["spava", "run", "--tokens", "8100", "--generate", "200"], "--tokens + --generate 8300 exceeds the context"),
+    (["spava", "run", "--tokens", "9000"], "--tokens 9000 exceeds the context"),
+    (["spava", "run", "--bandwidth", "0"], "--bandwidth must be > 0 GB/s"),
+    (["sweep-spava", "--bandwidth", "-5"], "--bandwidth must be > 0 GB/s"),
+    (["spava", "run", "--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["spava", "run", "--query", "0"], "--query must be >= 1 token"),
+    (["spava", "run", "--tokens", "64"], "--tokens must be longer than the query"),
+    (["sweep-spava", "--tokens", "2048", "--nproc", "4", "--anchor", "128,640", "--passing", "128"], "anchor (l_a) 640 is larger than a block"),
+    (["spava", "run", "--data", "synthetic:nonesuch"], "synthetic:nonesuch"),
 ])
 def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
     out = tmp_path / "art"
@@ -40,6 +50,24 @@ def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.output
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_run_generate_after_covering_prefill_equals_dense(tmp_path, nproc):
+    """`spava run --generate`: with blocks of exactly l_p = 128 tokens SPAVA's prefill is exact, so the tokens
+    decoded over the assembled cache are dense generation's, first token included."""
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    tokens = 128 + 2 * nproc * 128 + 16  # anchor + 2W blocks of 128 + query
+    res = runner.invoke(app, ["spava", "run", "--model", model, "--nproc", str(nproc), "--tokens", str(tokens), "--anchor", "128",
+                              "--passing", "128", "--query", "16", "--generate", "4", "--backend", "gloo", "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.stdout)["rows"][0]
+    assert row["passing_used"] == 128 and len(row["generated"]) == 4
+    assert row["generated"] == row["generated_dense"] and row["first_token_agreement"] and row["generated_prefix"] == 4
+    assert row["generated_agreement"] == 1.0 and row["decode_seconds"] > 0
+    assert (row["cache_bytes_sent"] > 0) == (nproc > 1)
 
 
 def test_into_needs_an_artifact(tmp_path):
