@@ -174,6 +174,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                        "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
                        "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
+                       "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
                        "bytes_sent_exact": int(_max_over_ranks(ring_ctx.stats.get("bytes_sent", 0), None)),
                        "exact_engine": engine, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
