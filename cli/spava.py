@@ -45,6 +45,11 @@ def run_launch(cfg, title: str) -> dict:
         raise typer.Exit(code=1) from None
 
 
+def seconds(value: float | None) -> str:
+    """A modelled latency cell: '-' where the W does not fit the context."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def rows_table(result: dict, title: str) -> Table:
     table = Table(title=f"{title} · exact: {result['exact_engine']}")
     generated = any("generated" in r for r in result["rows"])
@@ -57,8 +62,7 @@ def rows_table(result: dict, title: str) -> Table:
         gen = (("yes" if r["first_token_agreement"] else "no"), f"{r['generated_prefix']} / {len(r['generated'])}") if "generated" in r else ("-", "-")
         table.add_row(str(r["tokens"]), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
                       f"{r['ppl']:.2f} / {r['ppl_exact']:.2f}", retrieved, f"{r['seconds']:.2f} / {r['seconds_exact']:.2f}",
-                      f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", f"{r['modelled_s_w2']:.2f}",
-                      f"{r['modelled_s_w4']:.2f}", f"{r['modelled_s_w8']:.2f}", *(gen if generated else ()))
+                      f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", *(seconds(r[f"modelled_s_w{w}"]) for w in (2, 4, 8)), *(gen if generated else ()))
     return table
 
 

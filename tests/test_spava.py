@@ -70,6 +70,16 @@ def test_backend_rules():
         check_backend("gloo", 0)
 
 
+def test_nccl_more_ranks_than_gpus(monkeypatch):
+    """The GPU-host rule, on a machine without GPUs: torch's device count stands in for two GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_backend("auto", 2) == "nccl" and check_backend("nccl", 1) == "nccl"
+    with pytest.raises(ValueError, match="nproc 3 is more than the 2 GPUs here"):
+        check_backend("nccl", 3)
+    assert check_backend("gloo", 3) == "gloo"  # gloo runs any number of CPU ranks
+
+
 @pytest.mark.parametrize("empty", [0, 1, 3])
 def test_lse_merge_exact_with_empty_shards(empty):
     g = torch.Generator().manual_seed(empty)

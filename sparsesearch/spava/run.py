@@ -204,8 +204,10 @@ def attention_flops(n_ctx: int, q: int, world: int, l_a: int, l_p: int, d: int, 
 
 def modelled_latency(row: dict, info, bandwidth_gbs: float) -> dict:
     """Latency at W = 2/4/8 from this run's per-rank compute: attention time scaled by Eq. 7 FLOPs, the rest
-    (projections, MLP) by local tokens; communication (per-rank bytes at W over the link) overlaps the
-    attention, so a layer costs max(attention, communication)."""
+    (projections, MLP) by local tokens; communication (per-rank bytes at W over the link, bf16 as on a GPU,
+    batch 1) overlaps the attention, so a layer costs max(attention, communication). Every layer is counted
+    as a SPAVA layer (a hybrid model's sliding layers send a halo instead). A W whose 2W virtual hosts do
+    not fit the context gets None. -> {"modelled_s_w2": s | None, ..., "bandwidth_gbs": bandwidth_gbs}."""
     n, q, w, la, lp = row["tokens"], row["query"], row["nproc"], row["anchor"], row["passing"]
     n_ctx, d, hq, hkv = n - q, info.head_dim, info.num_heads, info.num_kv_heads
     local = lambda world: la + 2 * ((n_ctx - la) / (2 * world)) + q
@@ -213,9 +215,12 @@ def modelled_latency(row: dict, info, bandwidth_gbs: float) -> dict:
     rest_rate = max(0.0, row["seconds"] - row["attention_seconds"]) / local(w)
     out = {}
     for world in (2, 4, 8):
+        if n_ctx - la < 2 * world:
+            out[f"modelled_s_w{world}"] = None
+            continue
         p = min(lp, (n_ctx - la) // (2 * world))
         sent = info.num_layers * (2 * p * hkv * 2 * d * 2 + q * hq * d * 2 + q * hq * 4) * (world - 1)
         comm = sent / (bandwidth_gbs * 1e9)
         attn = attn_rate * attention_flops(n_ctx, q, world, la, lp, d, hq)
         out[f"modelled_s_w{world}"] = rest_rate * local(world) + max(attn, comm)
-    return out
+    return out | {"bandwidth_gbs": bandwidth_gbs}
