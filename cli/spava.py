@@ -45,16 +45,24 @@ def run_launch(cfg, title: str) -> dict:
         raise typer.Exit(code=1) from None
 
 
+def seconds(value: float | None) -> str:
+    """A modelled latency cell: '-' where the W does not fit the context."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def rows_table(result: dict, title: str) -> Table:
     table = Table(title=f"{title} · exact: {result['exact_engine']}")
-    cols = ("tokens", "l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact", "model W=4 s", "W=8 s")
+    generated = any("generated" in r for r in result["rows"])
+    cols = ("tokens", "l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact",
+            "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense") if generated else ())
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
         retrieved = f"{r['retrieved']:d} / {r['retrieved_exact']:d}" if "retrieved" in r else "-"
+        gen = (("yes" if r["first_token_agreement"] else "no"), f"{r['generated_prefix']} / {len(r['generated'])}") if "generated" in r else ("-", "-")
         table.add_row(str(r["tokens"]), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
                       f"{r['ppl']:.2f} / {r['ppl_exact']:.2f}", retrieved, f"{r['seconds']:.2f} / {r['seconds_exact']:.2f}",
-                      f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", f"{r['modelled_s_w4']:.2f}", f"{r['modelled_s_w8']:.2f}")
+                      f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", *(seconds(r[f"modelled_s_w{w}"]) for w in (2, 4, 8)), *(gen if generated else ()))
     return table
 
 
@@ -70,18 +78,25 @@ def run(
     data: DataOpt = "text",
     backend: BackendOpt = "auto",
     timeout: TimeoutOpt = 300.0,
+    bandwidth: BandwidthOpt = 100.0,
+    generate: Annotated[int, typer.Option(help="Then decode N greedy tokens over the assembled KV cache; compared with dense generation.")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """One SPAVA prefill against exact sequence parallelism, same launch, same process group.
 
-    Example: sparsesearch spava run --model smollm2-135m --nproc 2 --tokens 2048
+    Example: sparsesearch spava run --model smollm2-135m --nproc 2 --tokens 2048 --generate 16
     """
     from sparsesearch.spava.run import SpavaConfig
 
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=[tokens], anchors=ints(anchor, "--anchor")[:1],
-                      passings=ints(passing, "--passing")[:1], query=query, data=data, backend=backend, timeout_s=timeout)
+                      passings=ints(passing, "--passing")[:1], query=query, data=data, backend=backend, timeout_s=timeout,
+                      bandwidth_gbs=bandwidth, generate=generate)
     result = run_launch(cfg, "spava run")
     if json_out:
         print_json(result)
         return
     out_console.print(rows_table(result, f"SPAVA {model}, {nproc} processes"))
+    for r in result["rows"]:
+        if "generated" in r:
+            err_console.print(f"SPAVA prefill, then {len(r['generated'])} tokens: {r['generated_text']!r}", highlight=False, soft_wrap=True)
+            err_console.print(f"dense generation:               {r['generated_text_dense']!r}", highlight=False, soft_wrap=True)

@@ -70,6 +70,16 @@ def test_backend_rules():
         check_backend("gloo", 0)
 
 
+def test_nccl_more_ranks_than_gpus(monkeypatch):
+    """The GPU-host rule, on a machine without GPUs: torch's device count stands in for two GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_backend("auto", 2) == "nccl" and check_backend("nccl", 1) == "nccl"
+    with pytest.raises(ValueError, match="nproc 3 is more than the 2 GPUs here"):
+        check_backend("nccl", 3)
+    assert check_backend("gloo", 3) == "gloo"  # gloo runs any number of CPU ranks
+
+
 @pytest.mark.parametrize("empty", [0, 1, 3])
 def test_lse_merge_exact_with_empty_shards(empty):
     g = torch.Generator().manual_seed(empty)
@@ -285,3 +295,71 @@ def _replay_worker(rank, world):
 def _spawned_worker(rank, world):
     _both_worker(rank, world)
     _replay_worker(rank, world)
+
+
+# ------------------------------------------------------------------ split-K and the query partial's locality
+
+from sparsesearch.spava.fused import key_splits  # noqa: E402
+
+
+@pytest.mark.parametrize("kv,rows,causal,split", [(10, 3, True, 4), (10, 3, False, 4), (8, 8, True, 3), (9, 2, False, 9), (100, 16, True, 7)])
+def test_key_splits_cover_the_piece(kv, rows, causal, split):
+    pieces = key_splits(kv, rows, causal, split)
+    assert pieces[0][0] == 0 and pieces[-1][1] == kv and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert [c for *_, c in pieces] == [False] * (len(pieces) - causal) + [True] * causal  # causal: the last only
+    assert all(e - s <= split for s, e, c in pieces if not c)
+    if causal:
+        assert pieces[-1][:2] == (kv - rows, kv)  # the square over the rows' own keys
+    with pytest.raises(ValueError, match="kv_len >= rows"):
+        key_splits(2, 3, True, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,kv,causal", [(5, 90, False), (16, 83, True), (1, 64, False), (9, 40, True)])
+def test_split_k_equals_unsplit(dtype, m, kv, causal):
+    """A few-row piece cut along K (chunks of 16 keys, merged by lse) equals the unsplit piece: the plain path
+    to fp32 summation order, the kernel (equal chunks folded into the batch) to kernel tolerance."""
+    g = torch.Generator().manual_seed(m * kv)
+    q, k, v = (torch.randn(2, h, n, 64, generator=g).to(dtype).to(DEVICE) for h, n in ((4, m), (2, kv), (2, kv)))
+    ref, ref_lse = PLAIN.attend(q, k, v, 0.125, causal)
+    split_plain = Engine("torch", split_k=16)
+    out, lse = split_plain.attend(q, k, v, 0.125, causal)
+    assert relative_error(out, ref) < TOL and torch.allclose(lse, ref_lse, atol=1e-5)
+    fast, fast_lse = Engine("triton", block=16, split_k=16).attend(q, k, v, 0.125, causal)
+    low = masked_attention(q, k, v, None if causal else (lambda rows: torch.ones(1, 1, rows.numel(), kv, dtype=torch.bool, device=rows.device)),
+                           scale=0.125, upcast=False)[0]
+    assert fast.dtype == dtype
+    _within_kernel_tolerance(fast, ref, low, f"split-K {m}x{kv} causal={causal}")
+    torch.testing.assert_close(fast_lse, ref_lse, atol=1e-2 if dtype == torch.bfloat16 else 1e-2, rtol=0)
+
+
+def test_spava_ranks_with_split_k_equal_unsplit():
+    """Every simulated rank's SPAVA output with the query partial split along K (split 8 < shards of ~40 keys)."""
+    lay = Layout(16 + 2 * 2 * 24 + 3, 13, 2, 16, 8)
+    q, k, v = _global_qkv(lay.n, seed=7)
+    for split in (Engine("torch", block=16, split_k=8), Engine("triton", block=16, split_k=8)):
+        for plain, sim in zip(spava_world(q, k, v, lay, 0.125, PLAIN), spava_world(q, k, v, lay, 0.125, split)):
+            want = spava_attention(plain.q, plain.k, plain.v, lay, plain.rank, 0.125, engine=PLAIN, exchange=plain.replay)
+            got = spava_attention(sim.q, sim.k, sim.v, lay, sim.rank, 0.125, engine=split, exchange=sim.replay)
+            assert relative_error(got, want) < 1e-4, f"{split.kind} rank {sim.rank}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_query_partial_is_computed_where_its_keys_live(world):
+    """Each rank sends only its two selections and its query partial (out, lse): the bytes are the formula's and
+    do not grow with the context. A rank that gathered its peers' keys for the query would send more, and more
+    with every longer block."""
+    b, hq, hkv, d, q_len, p = 1, 4, 2, 64, 13, 8
+    sent = []
+    for block in (24, 72):
+        lay = Layout(16 + 2 * world * block, q_len, world, 16, p)
+        q, k, v = _global_qkv(lay.n, seed=block, hq=hq, hkv=hkv, dim=d)
+        for r in spava_world(q, k, v, lay, 0.125, PLAIN):
+            stats = {}
+            spava_attention(r.q, r.k, r.v, lay, r.rank, 0.125, engine=PLAIN, exchange=r.replay, stats=stats)
+            assert set(r.replay.sent_by) == {"passing_a", "passing_b", "query_out", "query_lse"}
+            want = (2 * b * hkv * p * 2 * d * 4 + b * hq * q_len * d * 4 + b * hq * q_len * 4) * (world - 1)  # fp32 throughout
+            assert r.replay.bytes_sent == stats["bytes_sent"] == want, (block, r.rank)
+            assert stats["bytes_passing"] == 2 * b * hkv * p * 2 * d * 4 * (world - 1)
+            sent.append(stats["bytes_sent"])
+    assert len(set(sent)) == 1

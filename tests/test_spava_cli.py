@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -29,6 +30,16 @@ runner = CliRunner()
     (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
     (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
     (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
+    (["spava", "run", "--generate", "-1"], "--generate must be >= 0 tokens"),
+    (["spava", "run", "--tokens", "8100", "--generate", "200"], "--tokens + --generate 8300 exceeds the context"),
+    (["spava", "run", "--tokens", "9000"], "--tokens 9000 exceeds the context"),
+    (["spava", "run", "--bandwidth", "0"], "--bandwidth must be > 0 GB/s"),
+    (["sweep-spava", "--bandwidth", "-5"], "--bandwidth must be > 0 GB/s"),
+    (["spava", "run", "--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["spava", "run", "--query", "0"], "--query must be >= 1 token"),
+    (["spava", "run", "--tokens", "64"], "--tokens must be longer than the query"),
+    (["sweep-spava", "--tokens", "2048", "--nproc", "4", "--anchor", "128,640", "--passing", "128"], "anchor (l_a) 640 is larger than a block"),
+    (["spava", "run", "--data", "synthetic:nonesuch"], "synthetic:nonesuch"),
 ])
 def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
     out = tmp_path / "art"
@@ -40,6 +51,24 @@ def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], res.output
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_run_generate_after_covering_prefill_equals_dense(tmp_path, nproc):
+    """`spava run --generate`: with blocks of exactly l_p = 128 tokens SPAVA's prefill is exact, so the tokens
+    decoded over the assembled cache are dense generation's, first token included."""
+    from tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    tokens = 128 + 2 * nproc * 128 + 16  # anchor + 2W blocks of 128 + query
+    res = runner.invoke(app, ["spava", "run", "--model", model, "--nproc", str(nproc), "--tokens", str(tokens), "--anchor", "128",
+                              "--passing", "128", "--query", "16", "--generate", "4", "--backend", "gloo", "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.stdout)["rows"][0]
+    assert row["passing_used"] == 128 and len(row["generated"]) == 4
+    assert row["generated"] == row["generated_dense"] and row["first_token_agreement"] and row["generated_prefix"] == 4
+    assert row["generated_agreement"] == 1.0 and row["decode_seconds"] > 0
+    assert (row["cache_bytes_sent"] > 0) == (nproc > 1)
 
 
 def test_into_needs_an_artifact(tmp_path):
@@ -91,6 +120,7 @@ def test_sweep_end_to_end_tiny_model(tmp_path):
     art = load_artifact(out)
     assert art.manifest["methods"]["spava"]["recommended"][0]["tokens"] == 1100
     assert len(art.tables["spava.parquet"]) == 4
+    assert {"modelled_s_w2", "modelled_s_w4", "modelled_s_w8", "bandwidth_gbs", "bytes_passing"} <= set(art.tables["spava.parquet"].columns)
     by = {(r["anchor"], r["passing"]): r for r in payload["rows"]}
     assert all(r["kl"] >= 0 and r["logit_rel_error"] >= 0 for r in by.values())
     assert by[(0, 128)]["bytes_sent"] > by[(0, 0)]["bytes_sent"] > 0  # passing KVs on top of the query partials
@@ -262,3 +292,54 @@ def test_rank_times_missing_file_and_bad_bandwidth(tmp_path):
     path.write_text(_row() + "\n" + _row(rank=1) + "\n")
     res = runner.invoke(app, ["sweep-spava", "--rank-times", str(path), "--bandwidth", "0"])
     assert res.exit_code == 2 and "bandwidth must be > 0" in res.output
+
+
+# ------------------------------------------------------------------ the model run's W = 2/4/8 latency columns
+
+def test_modelled_latency_by_hand(tmp_path):
+    """modelled_latency on numbers worked by hand, then into spava.parquet and the table.
+
+    head_dim 2, 2 query heads, 1 KV head, 1 layer; 36 tokens = 32 context (anchor 4 + 28) + 4 query; l_p 2;
+    measured at W = 2: 3.0 s, of which attention 1.0 s. Eq. 7 + query FLOPs (attention_flops):
+    W=2 (blocks 7): 2·(2·16·2 + 4·49·2 + 4·3·2·7·2 + 4·4·20·2) = 2864; W=4 (blocks 3): 1712; W=8 (blocks 1): 896.
+    Local tokens 4 + 28/W + 4: 22, 15, 11.5, so the rest costs 2/22 s per token.
+    Bytes per rank: (W−1)·(2·p·1·2·2·2 + 4·2·2·2 + 4·2·4), p = min(2, block): 96, 288, 560.
+    """
+    from types import SimpleNamespace
+
+    from sparsesearch.spava.run import attention_flops, modelled_latency
+    from sparsesearch.spava.sweep import write_sweep
+    from sparsesearch_cli.spava import rows_table
+
+    assert [attention_flops(32, 4, w, 4, 2, 2, 2) for w in (2, 4, 8)] == [2864, 1712, 896]
+    info = SimpleNamespace(head_dim=2, num_heads=2, num_kv_heads=1, num_layers=1)
+    row = {"tokens": 36, "query": 4, "nproc": 2, "anchor": 4, "passing": 2, "seconds": 3.0, "attention_seconds": 1.0}
+    fast = modelled_latency(row, info, bandwidth_gbs=1.0)  # bytes / 1e9 B/s: communication hides
+    assert fast["modelled_s_w2"] == pytest.approx(3.0)  # the measured W reproduces the measurement
+    assert fast["modelled_s_w4"] == pytest.approx(2 / 22 * 15 + 1712 / 2864)  # 1.9614
+    assert fast["modelled_s_w8"] == pytest.approx(2 / 22 * 11.5 + 896 / 2864)  # 1.3583
+    slow = modelled_latency(row, info, bandwidth_gbs=1e-7)  # 100 B/s: 0.96, 2.88, 5.6 s of communication
+    assert slow["modelled_s_w2"] == pytest.approx(2.0 + max(1.0, 0.96))
+    assert slow["modelled_s_w4"] == pytest.approx(2 / 22 * 15 + 2.88)
+    assert slow["modelled_s_w8"] == pytest.approx(2 / 22 * 11.5 + 5.6)
+    assert slow["bandwidth_gbs"] == 1e-7
+    short = modelled_latency(row | {"tokens": 20}, info, 1.0)  # 16 context, 12 past the anchor: 2W = 16 hosts do not fit
+    assert short["modelled_s_w8"] is None and short["modelled_s_w4"] is not None
+    rows = [row | {"kl": 0.001, "logit_rel_error": 0.01, "ppl": 9.0, "ppl_exact": 9.0, "seconds_exact": 4.0, "bytes_sent": 96,
+                   "bytes_sent_exact": 200, **m} for m in (fast, short)]
+    from pathlib import Path
+
+    ref = Path(__file__).resolve().parents[1] / "artifacts/reference/smollm2-135m-4k/manifest.json"
+    result = {"rows": rows, "exact_engine": "zigzag-ring", "torch_cp": "n/a", "model": json.loads(ref.read_text())["model"]}
+    from sparsesearch.spava.run import SpavaConfig
+
+    path, _ = write_sweep(result, SpavaConfig(bandwidth_gbs=1.0), tmp_path / "art", kl_tolerance=0.01, compose=False)
+    table = pd.read_parquet(path / "spava.parquet")
+    assert table["modelled_s_w4"].tolist() == pytest.approx([fast["modelled_s_w4"], short["modelled_s_w4"]])
+    assert table["modelled_s_w8"].isna().tolist() == [False, True] and (table["bandwidth_gbs"] == 1.0).all()
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(rows_table(result, "hand"))
+    text = console.export_text()
+    assert "W=2" in text and f"{fast['modelled_s_w8']:.2f}" in text and " - " in text

@@ -132,6 +132,7 @@ def spava_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: L
     engine = as_engine(engine)
     exchange = Collectives(group) if exchange is None else exchange
     sent_before = exchange.bytes_sent
+    passing_before = sum(exchange.sent_by.get(name, 0) for name in ("passing_a", "passing_b"))
     world = layout.world
     cut = lambda t, s, e: t[:, :, s:e]
     sa, sb, sq = la, la + na, la + na + nb
@@ -163,4 +164,6 @@ def spava_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: L
     out[:, :, sq:] = merge_partials(got_o, got_lse, dim=0)[0]
     if stats is not None:
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + exchange.bytes_sent - sent_before
+        passing = sum(exchange.sent_by.get(name, 0) for name in ("passing_a", "passing_b")) - passing_before
+        stats["bytes_passing"] = stats.get("bytes_passing", 0) + passing
     return out

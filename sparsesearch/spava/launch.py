@@ -34,11 +34,16 @@ def preflight(cfg: SpavaConfig) -> None:
         raise ValueError(f"--tokens must be longer than the query ({cfg.query}), got {cfg.tokens}")
     if cfg.timeout_s <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout_s}")
+    if cfg.generate < 0:
+        raise ValueError(f"--generate must be >= 0 tokens, got {cfg.generate}")
+    if cfg.bandwidth_gbs <= 0:
+        raise ValueError(f"--bandwidth must be > 0 GB/s, got {cfg.bandwidth_gbs}")
     for n in cfg.tokens:
         layouts(cfg, n)
     from .. import preflight as check
 
-    check.context_fits("--tokens", max(cfg.tokens), check.model_info(cfg.model))
+    what = "--tokens + --generate" if cfg.generate else "--tokens"
+    check.context_fits(what, max(cfg.tokens) + cfg.generate, check.model_info(cfg.model))
     check.data("--data", None if cfg.data == "text" else cfg.data)
 
 

@@ -38,6 +38,7 @@ class RankContext:
     layout: Layout | None = None
     group: object = None
     stats: dict = field(default_factory=dict)
+    kept: dict | None = None  # layer -> (k, v) [B, Hkv, N_r, D] post-RoPE, when a decode follows (decode.py)
 
     @classmethod
     def spava(cls, layout: Layout, rank: int, group=None) -> "RankContext":
@@ -54,6 +55,8 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = getattr(module, "sliding_window", None)  # set on a hybrid model's sliding layers only
     rank = dist.get_rank(ctx.group)
+    if ctx.kept is not None:  # the local KV a decode needs; references, no copy (the layer made them)
+        ctx.kept[module.layer_idx] = (key, value)
     start = time.perf_counter()
     if ctx.mode == "ring":
         out = ring_attention(query, key, value, ctx.pos.to(query.device), ctx.n, scale, ctx.group, window=window, stats=ctx.stats)

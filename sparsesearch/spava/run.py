@@ -44,6 +44,7 @@ class SpavaConfig:
     timeout_s: float = 300.0
     seed: int = 0
     bandwidth_gbs: float = 100.0  # link bandwidth for the modelled latency (GB/s; NVLink-class default)
+    generate: int = 0  # greedy tokens decoded after each SPAVA prefill (decode.py), compared with dense generation
 
 
 def layouts(cfg: SpavaConfig, n: int) -> list[Layout]:
@@ -106,6 +107,24 @@ def quality(logits: torch.Tensor, exact: torch.Tensor, ids: torch.Tensor, answer
     return row
 
 
+def generation(tokens: torch.Tensor, dense: torch.Tensor, tokenizer) -> dict:
+    """Row fields comparing SPAVA-prefill generation with dense generation: tokens, dense long [B, N] (row 0 shown)."""
+    same = (tokens == dense)[0]
+    prefix = int(same.long().cumprod(0).sum())
+    return {"generated": tokens[0].tolist(), "generated_dense": dense[0].tolist(),
+            "generated_text": tokenizer.decode(tokens[0]), "generated_text_dense": tokenizer.decode(dense[0]),
+            "first_token_agreement": bool(same[0]), "generated_agreement": float(same.float().mean()), "generated_prefix": prefix}
+
+
+def _dense_tokens(model, ids: torch.Tensor, steps: int, rank: int) -> torch.Tensor:
+    """Dense greedy generation on rank 0 (the others wait at the broadcast) -> long [B, steps] on every rank."""
+    from .decode import dense_generate
+
+    tokens = dense_generate(model, ids, steps)[0] if rank == 0 else ids.new_empty((ids.shape[0], steps))
+    dist.broadcast(tokens, src=0)
+    return tokens
+
+
 def _timed(fn, group):
     """(result, seconds on this rank, seconds of the slowest rank)."""
     dist.barrier(group)
@@ -146,16 +165,25 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
             tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
             ring_ctx = RankContext.ring(n_real, rank, world)
             exact, t_exact_mine, t_exact = _timed(lambda: tail_logits(model, ids, ring_ctx, cfg.query, owner=True), None)
+            dense_tokens = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
             for lay in layouts(cfg, n_real):
                 ctx = RankContext.spava(lay, rank)
+                ctx.kept = {} if cfg.generate else None  # the local KV the decode after this prefill needs
                 logits, t_mine, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
                 row = {"tokens": n_real, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
                        "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
                        "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
+                       "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
                        "bytes_sent_exact": int(_max_over_ranks(ring_ctx.stats.get("bytes_sent", 0), None)),
                        "exact_engine": engine, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
+                if cfg.generate:
+                    from .decode import decode_after_prefill
+
+                    (tokens, _), _, t_dec = _timed(lambda: decode_after_prefill(model, ctx, logits[:, -1], cfg.generate), None)
+                    row.update(generation(tokens, dense_tokens, tok), decode_seconds=t_dec,
+                               cache_bytes_sent=int(_max_over_ranks(ctx.stats.get("cache_bytes_sent", 0), None)))
                 rows.append(row)
                 if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
                     print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
@@ -176,8 +204,10 @@ def attention_flops(n_ctx: int, q: int, world: int, l_a: int, l_p: int, d: int, 
 
 def modelled_latency(row: dict, info, bandwidth_gbs: float) -> dict:
     """Latency at W = 2/4/8 from this run's per-rank compute: attention time scaled by Eq. 7 FLOPs, the rest
-    (projections, MLP) by local tokens; communication (per-rank bytes at W over the link) overlaps the
-    attention, so a layer costs max(attention, communication)."""
+    (projections, MLP) by local tokens; communication (per-rank bytes at W over the link, bf16 as on a GPU,
+    batch 1) overlaps the attention, so a layer costs max(attention, communication). Every layer is counted
+    as a SPAVA layer (a hybrid model's sliding layers send a halo instead). A W whose 2W virtual hosts do
+    not fit the context gets None. -> {"modelled_s_w2": s | None, ..., "bandwidth_gbs": bandwidth_gbs}."""
     n, q, w, la, lp = row["tokens"], row["query"], row["nproc"], row["anchor"], row["passing"]
     n_ctx, d, hq, hkv = n - q, info.head_dim, info.num_heads, info.num_kv_heads
     local = lambda world: la + 2 * ((n_ctx - la) / (2 * world)) + q
@@ -185,9 +215,12 @@ def modelled_latency(row: dict, info, bandwidth_gbs: float) -> dict:
     rest_rate = max(0.0, row["seconds"] - row["attention_seconds"]) / local(w)
     out = {}
     for world in (2, 4, 8):
+        if n_ctx - la < 2 * world:
+            out[f"modelled_s_w{world}"] = None
+            continue
         p = min(lp, (n_ctx - la) // (2 * world))
         sent = info.num_layers * (2 * p * hkv * 2 * d * 2 + q * hq * d * 2 + q * hq * 4) * (world - 1)
         comm = sent / (bandwidth_gbs * 1e9)
         attn = attn_rate * attention_flops(n_ctx, q, world, la, lp, d, hq)
         out[f"modelled_s_w{world}"] = rest_rate * local(world) + max(attn, comm)
-    return out
+    return out | {"bandwidth_gbs": bandwidth_gbs}
