@@ -41,7 +41,8 @@ from .patterns.boundary import BOUNDARIES, scope_name, split_scope
 from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
 from .search.space import MODALITY_NAMES, Candidate, load_space
 from .search.targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, lagrangian_path, search_target,
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_path, kl_sensitivity,
+    lagrangian_path, only_layer, probe_allocation, search_target,
 )
 
 GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
@@ -315,6 +316,7 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
 
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
 KL_RESOLUTION = 0.005  # the KL bisection stops when its bracket spans <= 0.5% of dense cost
+PROBE_COST = 0.3  # --target-kl: layer KL sensitivities are measured at the error path's point nearest 30% of dense cost
 CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
 
 
@@ -368,6 +370,25 @@ def fidelity_kl(fidelity: dict) -> tuple[str, float]:
     raise ValueError(f"fidelity result has no KL to hold a --target-kl against (keys: {sorted(fidelity)})")
 
 
+def kl_model(curves: list[HeadCurve], path: list[Allocation], measure: Callable[[Allocation], float]) -> dict:
+    """The per-layer KL model of a --target-kl search (search/targets.py): at ``probe_allocation`` (the error
+    path's point nearest PROBE_COST of dense cost), the KL with one layer at a time sparse, and per layer
+    a_l = KL_l / sum_h error_h^2. Returns {"sensitivity": {layer: a_l}, "record": the manifest's account}."""
+    probe = probe_allocation(curves, path, PROBE_COST)
+    layers = sorted({c.layer for c, i in zip(curves, probe.choices) if i != DENSE})
+    layer_kl = {layer: measure(only_layer(probe, curves, layer)) for layer in layers}
+    sensitivity = kl_sensitivity(curves, probe, layer_kl)
+    sq = lambda layer: sum(c.error_of(i) ** 2 for c, i in zip(curves, probe.choices) if c.layer == layer)
+    record = {
+        "model": "KL ~= sum over layers of a_layer x sum over heads of output_error^2 (a_layer measured with only that layer sparse)",
+        "probe": {"cost_fraction": round(probe.cost_fraction(curves), 6), "near": PROBE_COST},
+        "sum_of_layer_kl": round(sum(layer_kl.values()), 9),
+        "layers": [{"layer": layer, "kl": round(layer_kl[layer], 9) if layer in layer_kl else None,
+                    "sum_sq_error": round(sq(layer), 6), "sensitivity": round(a, 9)} for layer, a in sorted(sensitivity.items())],
+    }
+    return {"sensitivity": sensitivity, "record": record}
+
+
 def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: list[int], space,
                     kl_of: Callable[[list[dict]], float]) -> tuple[list[dict], dict]:
     """The quality target's allocation over the searched layers (search/targets.py) -> (global rows, the
@@ -375,7 +396,7 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     layers' rows on the tuning prompts (target_kl only). Raises ValueError for an unreachable target
     unless cfg.allow_miss."""
     kind, value = target_of(cfg)
-    scored, curves = {}, []
+    scored, curves, model = {}, [], None
     for layer in layers:
         scored[layer], layer_curves = _layer_curves(work, layer, n_samples)
         curves.extend(layer_curves)
@@ -394,13 +415,15 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
             alloc = path[0]
             miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
     else:
-        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION)
+        model = kl_model(curves, path, lambda a: kl_of(rows_of(a)))
+        path, predicted = kl_model_path(curves, model["sensitivity"])
+        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
         measured = found.measured
         alloc = path[found.best if found.chosen is None else found.chosen]
         if found.chosen is None:
             miss = (f"--target-kl {value:g} cannot be met on the calibration data: the densest sparse allocation "
-                    f"({_point(alloc, curves, rows_of(alloc))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
-                    f"{measured[found.best]:.3g}; only all-dense meets it")
+                    f"({_point(path[-2], curves, rows_of(path[-2]))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
+                    f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
     if miss and not cfg.allow_miss:
         raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
     rows = rows_of(alloc)
@@ -408,10 +431,13 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     achieved = {"target_kl": measured.get(path.index(alloc)) if kind == "target_kl" else None,
                 "max_output_error": max(r["output_error"] for r in rows), "latency_budget": point["cost_fraction"]}[kind]
     keep = sorted(set(measured) | set(range(0, len(path), max(1, len(path) // CURVE_POINTS))) | {len(path) - 1})
-    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
+    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"predicted_kl": round(predicted[i], 9)} if kind == "target_kl" else {}),
+              **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
     record = {
         "kind": kind, "value": value, "met": miss is None, "allow_miss": cfg.allow_miss, "missed": miss,
-        "allocation": "per-head cap" if kind == "max_output_error" else "lagrangian path (cost + lam x dense cost x error per head)",
+        "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
+                       "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
+        **({"kl_model": model["record"]} if model else {}),
         "calibration": {"data": cfg.data, "achieved": achieved, **point,
                         "kl_prompts": tuning_record(cfg) if kind == "target_kl" else None},
         "curve": curve, "path_points": len(path),
