@@ -108,6 +108,11 @@ def _render_target(target: dict, cutoff: dict | None) -> None:
     if held.get("achieved") is not None:
         line += f"; held-out {held['achieved']:.3g} ({'met' if held['met'] else 'NOT met'})"
     out_console.print(line, highlight=False)
+    model = target.get("kl_model")
+    if model:
+        top = sorted((l for l in model["layers"] if l["kl"] is not None), key=lambda l: -l["kl"])[:5]
+        out_console.print(f"KL model (one layer sparse at {model['probe']['cost_fraction']:.0%} of dense cost): layer KL sum "
+                          f"{model['sum_of_layer_kl']:.3g}; largest: " + ", ".join(f"layer {l['layer']} {l['kl']:.2g}" for l in top), highlight=False)
     if target["dense_heads"]:
         table = Table(title=f"heads kept dense ({len(target['dense_heads'])})")
         table.add_column("layer", justify="right")

@@ -93,3 +93,34 @@ def test_tune_samples_below_one_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="--tune-samples must be >= 1, got 0"):
         check_config(CalibrateConfig(tune_samples=0, target_kl=1e-3, out=tmp_path / "a"))
+
+
+@pytest.mark.slow  # a search + per-layer probes + a guided search on the tiny model: ~60 s on 2 busy cores
+def test_cli_prints_and_records_the_kl_model(tmp_path):
+    """calibrate --target-kl through the CLI on the tiny model: the record's KL model has one measured KL per
+    searched layer, the sensitivities it implies, predicted KL on every curve point, and the table says so."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch_cli.app import app
+    from test_calibrate import SPACE
+
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps(SPACE))
+    model = make_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "a"
+    result = CliRunner().invoke(app, ["calibrate", "--model", model, "--search-space", str(space), "--max-tokens", "256",
+                                      "--data", "synthetic:passkey", "--out", str(out), "--min-tokens", "128", "--eval-data", "",
+                                      "--target-kl", "0.05", "--tune-samples", "1", "--allow-miss"])
+    assert result.exit_code == 0, result.output
+    assert "KL model (one layer sparse at" in result.output
+    rec = load_artifact(out).manifest["methods"]["mminference"]["target"]
+    layers = rec["kl_model"]["layers"]
+    assert [l["layer"] for l in layers] == [0, 1, 2] and all(l["kl"] is not None and l["kl"] >= 0 for l in layers)
+    assert all(l["sensitivity"] == pytest.approx(l["kl"] / l["sum_sq_error"], rel=1e-3, abs=1e-9) for l in layers if l["sum_sq_error"] > 0)
+    assert rec["kl_model"]["sum_of_layer_kl"] == pytest.approx(sum(l["kl"] for l in layers), abs=1e-8)
+    predicted = [p["predicted_kl"] for p in rec["curve"]]
+    assert predicted == sorted(predicted, reverse=True) and predicted[-1] == 0
+    assert rec["calibration"]["kl_prompts"]["part"] == "calibration" and rec["calibration"]["kl_prompts"]["stream_indices"] == [1, 1]
