@@ -28,9 +28,10 @@ def calibrate(
     eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
     eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out length in tokens (default: --max-tokens).")] = None,
     min_tokens: Annotated[Optional[int], typer.Option(help="Runtime: prompts shorter than this run dense (default: measured on this device, SDPA vs index + sparse kernel).")] = None,
-    target_kl: Annotated[Optional[float], typer.Option(help="Quality target: choose per-head budgets across layers for the least cost whose model KL vs dense on calibration-distribution prompts is <= this (bisection with the runtime).")] = None,
+    target_kl: Annotated[Optional[float], typer.Option(help="Quality target: choose per-head budgets across layers for the least cost whose model KL vs dense on calibration-data prompts (--tune-samples) is <= this (measured with the runtime).")] = None,
     max_output_error: Annotated[Optional[float], typer.Option(help="Quality target: each head its cheapest pattern with relative attention-output error <= this; others stay dense.")] = None,
     latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
+    tune_samples: Annotated[int, typer.Option(help="--target-kl: calibration-data prompts (after the searched ones, never held-out) the KL is measured on.")] = 2,
     allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
@@ -53,7 +54,7 @@ def calibrate(
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
-                          latency_budget=latency_budget, allow_miss=allow_miss)
+                          latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples)
     space = preflight(cfg)  # bad input is one line before any progress output
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:
@@ -107,6 +108,11 @@ def _render_target(target: dict, cutoff: dict | None) -> None:
     if held.get("achieved") is not None:
         line += f"; held-out {held['achieved']:.3g} ({'met' if held['met'] else 'NOT met'})"
     out_console.print(line, highlight=False)
+    model = target.get("kl_model")
+    if model:
+        top = sorted((l for l in model["layers"] if l["kl"] is not None), key=lambda l: -l["kl"])[:5]
+        out_console.print(f"KL model (one layer sparse at {model['probe']['cost_fraction']:.0%} of dense cost): layer KL sum "
+                          f"{model['sum_of_layer_kl']:.3g}; largest: " + ", ".join(f"layer {l['layer']} {l['kl']:.2g}" for l in top), highlight=False)
     if target["dense_heads"]:
         table = Table(title=f"heads kept dense ({len(target['dense_heads'])})")
         table.add_column("layer", justify="right")

@@ -18,6 +18,7 @@ the layer in progress and ends with the same artifact (scores round-trip exactly
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -40,7 +41,8 @@ from .patterns.boundary import BOUNDARIES, scope_name, split_scope
 from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
 from .search.space import MODALITY_NAMES, Candidate, load_space
 from .search.targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, lagrangian_path, search_target,
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_path, kl_sensitivity,
+    lagrangian_path, only_layer, probe_allocation, search_target,
 )
 
 GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
@@ -73,6 +75,7 @@ class CalibrateConfig:
     max_output_error: float | None = None
     latency_budget: float | None = None
     allow_miss: bool = False
+    tune_samples: int = 2  # --target-kl: calibration-stream prompts the KL is measured on (after the searched ones)
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
 
@@ -110,6 +113,8 @@ def check_config(cfg: CalibrateConfig) -> None:
         raise ValueError(f"--eval-tokens must be >= 64, got {cfg.eval_tokens}")
     if cfg.eval_samples < 0:
         raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
+    if cfg.tune_samples < 1:
+        raise ValueError(f"--tune-samples must be >= 1, got {cfg.tune_samples}")
     if cfg.min_tokens is not None and cfg.min_tokens < 1:
         raise ValueError(f"--min-tokens must be >= 1, got {cfg.min_tokens}")
     given = {kind: value for kind, value in _targets(cfg).items() if value is not None}
@@ -309,9 +314,9 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
     return rows, error, report
 
 
-TUNE_SEED_OFFSET = 5000  # target tuning prompts: held_out(data, seed + 5000 + i), disjoint from the verification's
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
 KL_RESOLUTION = 0.005  # the KL bisection stops when its bracket spans <= 0.5% of dense cost
+PROBE_COST = 0.3  # --target-kl: layer KL sensitivities are measured at the error path's point nearest 30% of dense cost
 CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
 
 
@@ -365,6 +370,25 @@ def fidelity_kl(fidelity: dict) -> tuple[str, float]:
     raise ValueError(f"fidelity result has no KL to hold a --target-kl against (keys: {sorted(fidelity)})")
 
 
+def kl_model(curves: list[HeadCurve], path: list[Allocation], measure: Callable[[Allocation], float]) -> dict:
+    """The per-layer KL model of a --target-kl search (search/targets.py): at ``probe_allocation`` (the error
+    path's point nearest PROBE_COST of dense cost), the KL with one layer at a time sparse, and per layer
+    a_l = KL_l / sum_h error_h^2. Returns {"sensitivity": {layer: a_l}, "record": the manifest's account}."""
+    probe = probe_allocation(curves, path, PROBE_COST)
+    layers = sorted({c.layer for c, i in zip(curves, probe.choices) if i != DENSE})
+    layer_kl = {layer: measure(only_layer(probe, curves, layer)) for layer in layers}
+    sensitivity = kl_sensitivity(curves, probe, layer_kl)
+    sq = lambda layer: sum(c.error_of(i) ** 2 for c, i in zip(curves, probe.choices) if c.layer == layer)
+    record = {
+        "model": "KL ~= sum over layers of a_layer x sum over heads of output_error^2 (a_layer measured with only that layer sparse)",
+        "probe": {"cost_fraction": round(probe.cost_fraction(curves), 6), "near": PROBE_COST},
+        "sum_of_layer_kl": round(sum(layer_kl.values()), 9),
+        "layers": [{"layer": layer, "kl": round(layer_kl[layer], 9) if layer in layer_kl else None,
+                    "sum_sq_error": round(sq(layer), 6), "sensitivity": round(a, 9)} for layer, a in sorted(sensitivity.items())],
+    }
+    return {"sensitivity": sensitivity, "record": record}
+
+
 def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: list[int], space,
                     kl_of: Callable[[list[dict]], float]) -> tuple[list[dict], dict]:
     """The quality target's allocation over the searched layers (search/targets.py) -> (global rows, the
@@ -372,7 +396,7 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     layers' rows on the tuning prompts (target_kl only). Raises ValueError for an unreachable target
     unless cfg.allow_miss."""
     kind, value = target_of(cfg)
-    scored, curves = {}, []
+    scored, curves, model = {}, [], None
     for layer in layers:
         scored[layer], layer_curves = _layer_curves(work, layer, n_samples)
         curves.extend(layer_curves)
@@ -391,13 +415,15 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
             alloc = path[0]
             miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
     else:
-        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION)
+        model = kl_model(curves, path, lambda a: kl_of(rows_of(a)))
+        path, predicted = kl_model_path(curves, model["sensitivity"])
+        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
         measured = found.measured
         alloc = path[found.best if found.chosen is None else found.chosen]
         if found.chosen is None:
             miss = (f"--target-kl {value:g} cannot be met on the calibration data: the densest sparse allocation "
-                    f"({_point(alloc, curves, rows_of(alloc))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
-                    f"{measured[found.best]:.3g}; only all-dense meets it")
+                    f"({_point(path[-2], curves, rows_of(path[-2]))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
+                    f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
     if miss and not cfg.allow_miss:
         raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
     rows = rows_of(alloc)
@@ -405,12 +431,15 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     achieved = {"target_kl": measured.get(path.index(alloc)) if kind == "target_kl" else None,
                 "max_output_error": max(r["output_error"] for r in rows), "latency_budget": point["cost_fraction"]}[kind]
     keep = sorted(set(measured) | set(range(0, len(path), max(1, len(path) // CURVE_POINTS))) | {len(path) - 1})
-    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
+    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"predicted_kl": round(predicted[i], 9)} if kind == "target_kl" else {}),
+              **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
     record = {
         "kind": kind, "value": value, "met": miss is None, "allow_miss": cfg.allow_miss, "missed": miss,
-        "allocation": "per-head cap" if kind == "max_output_error" else "lagrangian path (cost + lam x dense cost x error per head)",
+        "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
+                       "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
+        **({"kl_model": model["record"]} if model else {}),
         "calibration": {"data": cfg.data, "achieved": achieved, **point,
-                        "kl_prompts": {"seeds_from": cfg.seed + TUNE_SEED_OFFSET, "samples": cfg.samples} if kind == "target_kl" else None},
+                        "kl_prompts": tuning_record(cfg) if kind == "target_kl" else None},
         "curve": curve, "path_points": len(path),
         "dense_heads": [{"layer": l, "head": h, "reason": alloc.reasons[(l, h)]} for l, h in alloc.dense_heads(curves)],
     }
@@ -438,7 +467,6 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     from .artifacts import write_artifact
     from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
-    from .fidelity import evaluate_fidelity
     from .models import capture_qkv, load_model
 
     progress = progress or Progress()
@@ -518,13 +546,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         progress.stage(f"allocating budgets for --{target_of(cfg)[0].replace('_', '-')}")
         sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
 
-        def kl_of(global_rows: list[dict]) -> float:
-            dens = sum(r["density"] for r in global_rows) / len(global_rows)
-            progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {dens:.1%}")
-            fid = evaluate_fidelity(model, tokenizer, manifest, sliding + global_rows, data=cfg.data, samples=cfg.samples,
-                                    tokens=cfg.max_tokens, seed=cfg.seed + TUNE_SEED_OFFSET, min_tokens=VERIFY_MIN_TOKENS)
-            return fidelity_kl(fid)[1]
-
+        kl_of = tuning_kl(cfg, model, tokenizer, manifest, sliding, progress)
         started = time.perf_counter()
         global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of)
         target["seconds"] = round(time.perf_counter() - started, 1)
@@ -582,6 +604,54 @@ def held_out_fidelity(cfg: CalibrateConfig, model, tokenizer, manifest: dict, ro
                                  tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=VERIFY_MIN_TOKENS)
                for spec in eval_specs(cfg.eval_data)]
     return reports[0] if len(reports) == 1 else {**reports[0], "also": reports[1:]}
+
+
+def tuning_samples(cfg: CalibrateConfig, tokenizer) -> list:
+    """The prompts a --target-kl is tuned on: calibration samples ``cfg.samples .. cfg.samples + tune_samples - 1``
+    of the calibration stream (``load_calibration`` with the run's seed) — the calibration part of the data
+    (never ``held_out``'s part: held-out data only verifies), and not the samples the heads were searched on
+    (their errors were fitted there, so a KL measured on them would flatter the allocation)."""
+    from .data import load_calibration
+
+    stream = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples + cfg.tune_samples, seed=cfg.seed)
+    found = stream[cfg.samples:]
+    if not found:
+        raise ValueError(f"--data {cfg.data}: no calibration sample is left for tuning --target-kl after the {cfg.samples} searched")
+    return found
+
+
+def tuning_reference(cfg: CalibrateConfig, model, tokenizer):
+    """The dense run over ``tuning_samples`` (fidelity.Reference), computed once per target search."""
+    from .fidelity import dense_reference
+
+    return dense_reference(model, tokenizer, tuning_samples(cfg, tokenizer), data=f"{cfg.data} (tuning)")
+
+
+def tuning_kl(cfg: CalibrateConfig, model, tokenizer, manifest: dict, fixed_rows: list[dict],
+              progress: Progress | None = None) -> Callable[[list[dict]], float]:
+    """kl_of for ``allocate_target``: rows of the searched layers -> the teacher-forced KL(dense || sparse) of
+    the model with ``fixed_rows`` + those rows, on the tuning prompts (``fidelity_kl``). The dense run over
+    the prompts is made on the first call and reused by every later one: only the sparse side changes
+    between the points of a target search."""
+    from .fidelity import evaluate_against
+
+    progress = progress or Progress()
+    reference = functools.cache(lambda: tuning_reference(cfg, model, tokenizer))
+
+    def kl_of(rows: list[dict]) -> float:
+        density = sum(r["density"] for r in rows) / len(rows)
+        progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {density:.1%}")
+        fid = evaluate_against(model, tokenizer, manifest, fixed_rows + rows, reference(), min_tokens=VERIFY_MIN_TOKENS)
+        return fidelity_kl(fid)[1]
+
+    return kl_of
+
+
+def tuning_record(cfg: CalibrateConfig) -> dict:
+    """The manifest's account of the tuning prompts."""
+    return {"data": cfg.data, "part": "calibration", "samples": cfg.tune_samples, "seed": cfg.seed,
+            "stream_indices": [cfg.samples, cfg.samples + cfg.tune_samples - 1],
+            "why": "calibration-stream samples after the searched ones: disjoint from the search's samples and from held-out data"}
 
 
 def _dense_cutoff(cfg: CalibrateConfig, rows: list[dict], info, model) -> dict:

@@ -319,32 +319,66 @@ def held_out_samples(data: str, tokenizer, *, samples: int, tokens: int, seed: i
     return found, None if depths is None else [round(d, 4) for d in depths]
 
 
-def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
-                      seed: int = 0, min_tokens: int = 1024) -> dict:
-    """Held-out samples of ``data`` (``held_out_samples``): dense vs the artifact (manifest + heads rows)
-    through the sparse runtime. Returns ``compare``'s report (teacher-forced KL and perplexity over every
-    position, next-token KL, greedy agreement and retrieval counts with a verdict for retrieval data) plus
-    eval_data, samples, tokens (the longest prompt), mean effective density and each layer's
-    attention-output error measured inside the sparse prefill (runtime audit)."""
+@dataclass
+class Reference:
+    """The model's own outputs on a fixed set of prompts, computed once and compared with any number of
+    artifacts (a target search compares a dozen allocations with the same dense run).
+
+    data: the prompts' spec; samples: the prompts; depths: needle depths of retrieval prompts (None
+    otherwise); run: the dense Run (final hidden states [N, H] per prompt, greedy generations)."""
+
+    data: str
+    samples: list
+    depths: list[float] | None
+    run: Run
+
+
+def dense_reference(model, tokenizer, samples: list, *, data: str, depths: list[float] | None = None) -> Reference:
+    """``attend`` with the model's own attention over ``samples``, kept as a Reference."""
+    if not samples:
+        raise ValueError("a fidelity reference needs at least one prompt")
+    return Reference(data, list(samples), depths, attend(model, tokenizer, samples))
+
+
+def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], reference: Reference, *, min_tokens: int = 1024) -> dict:
+    """The artifact (manifest + heads rows) through the sparse runtime on the reference's prompts, compared
+    with the reference's dense run (no dense forward here). Returns ``evaluate_fidelity``'s report."""
     from types import SimpleNamespace
 
     import pandas as pd
 
     from .artifacts.summary import effective_densities
 
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    prompts, depths = held_out_samples(data, tokenizer, samples=samples, tokens=tokens, seed=seed)
+    prompts = reference.samples
     artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
-    dense = attend(model, tokenizer, prompts)
     sparse = attend(model, tokenizer, prompts, artifact, min_tokens=min_tokens, audit=True)
     densities = [d for d in effective_densities(manifest, rows).values() if d is not None]  # imported rows have none
     return {
-        "eval_data": data, "samples": samples, "tokens": max(len(p) for p in prompts),
-        **compare(model, prompts, dense, sparse, min_tokens=min_tokens, depths=depths),
+        "eval_data": reference.data, "samples": len(prompts), "tokens": max(len(p) for p in prompts),
+        **compare(model, prompts, reference.run, sparse, min_tokens=min_tokens, depths=reference.depths),
         "mean_density": None if not densities else round(sum(densities) / len(densities), 4),
         "layer_output_error": {str(k): round(sum(v) / len(v), 6) for k, v in sorted(sparse.audit.items())},
     }
+
+
+def held_out_reference(model, tokenizer, *, data: str, samples: int, tokens: int, seed: int = 0) -> Reference:
+    """``dense_reference`` over ``held_out_samples``."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    prompts, depths = held_out_samples(data, tokenizer, samples=samples, tokens=tokens, seed=seed)
+    return dense_reference(model, tokenizer, prompts, data=data, depths=depths)
+
+
+def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
+                      seed: int = 0, min_tokens: int = 1024) -> dict:
+    """Held-out samples of ``data`` (``held_out_samples``): dense vs the artifact (manifest + heads rows)
+    through the sparse runtime. Returns ``compare``'s report (teacher-forced KL and perplexity over every
+    position, next-token KL, greedy agreement and retrieval counts with a verdict for retrieval data) plus
+    eval_data, samples, tokens (the longest prompt), mean effective density and each layer's
+    attention-output error measured inside the sparse prefill (runtime audit). To compare several
+    artifacts with one dense run: ``held_out_reference`` once, then ``evaluate_against`` per artifact."""
+    reference = held_out_reference(model, tokenizer, data=data, samples=samples, tokens=tokens, seed=seed)
+    return evaluate_against(model, tokenizer, manifest, rows, reference, min_tokens=min_tokens)
 
 
 def describe(result: dict) -> list[str]:

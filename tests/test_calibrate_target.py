@@ -77,6 +77,7 @@ def test_unreachable_target_exits_2_then_allow_miss_writes_it_marked(tiny_model,
     rec = load_artifact(out).manifest["methods"]["mminference"]["target"]
     assert not rec["met"] and "cannot be met" in rec["missed"] and rec["allow_miss"]
     assert rec["calibration"]["sparse_heads"] >= 1  # the best reachable sparse allocation, not all-dense
+    assert [l["layer"] for l in rec["kl_model"]["layers"]] == [0, 1, 2]  # one KL per searched layer, then the path on it
 
 
 def test_max_output_error_caps_every_sparse_head(tiny_model, space_file, tmp_path):

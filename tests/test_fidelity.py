@@ -58,11 +58,30 @@ def test_validate_runs_the_reference_once(tiny, monkeypatch, tmp_path):
         return original(model_, tok_, sample, artifact, **kw)
 
     monkeypatch.setattr(fidelity, "generate", counted)
-    cfg = ProbeConfig(settings=ProbeSettings(samples=1, tokens=256, sink=16, window=32, last=32), eval_samples=2, validate_step=1, out=tmp_path)
+    cfg = ProbeConfig(settings=ProbeSettings(samples=1, tokens=256, sink=16, window=32, last=32), eval_data="synthetic:passkey",
+                      eval_samples=2, validate_step=1, out=tmp_path)
     rows = validate_starts(model, tok, info, cfg, None)
     assert [r["start_layer"] for r in rows] == [None, 0, 1] and rows[0]["kl"] == 0.0
     assert calls.count(None) == 2, "the model's own attention runs once per prompt"
     assert len(calls) == 2 * 3
+
+
+def test_validate_on_the_default_natural_text_holds_teacher_forced_kl(tiny, tmp_path):
+    """probe-layers' default --eval-data is text:shakespeare (like calibrate): no retrieval, so no accuracy
+    and no verdict; the KL the tolerance bounds is the teacher-forced mean over every position."""
+    from sparsesearch.probe.probe import ProbeSettings
+    from sparsesearch.probe.run import ProbeConfig, smallest_within, validate_starts
+
+    model, tok, info = tiny
+    # 1024 tokens: the inference triangle (sink 8, window 512, last 128) skips keys only past 512+128 rows.
+    cfg = ProbeConfig(settings=ProbeSettings(samples=1, tokens=1024, sink=16, window=32, last=32), eval_samples=1, validate_step=1, out=tmp_path)
+    assert cfg.eval_data == "text:shakespeare"
+    rows = validate_starts(model, tok, info, cfg, None)
+    assert [r["start_layer"] for r in rows] == [None, 0, 1] and all(r["accuracy"] is None for r in rows)
+    assert all(r["kl"] == r["kl_mean"] and r["verdict"] is None for r in rows[1:])
+    assert rows[1]["kl"] > rows[2]["kl"] > 0  # triangle from layer 0 changes more than from layer 1
+    assert smallest_within(rows, rows[2]["kl"]) == 1 and smallest_within(rows, rows[1]["kl"]) == 0
+    assert smallest_within(rows, rows[2]["kl"] / 2) is None
 
 
 # --------------------------------------------------------------------------------------------- teacher forcing

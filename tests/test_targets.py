@@ -8,7 +8,8 @@ import math
 import pytest
 
 from sparsesearch.search.targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, lagrangian_path, search_target,
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_curves, kl_model_path,
+    kl_sensitivity, lagrangian_path, only_layer, predicted_kl, probe_allocation, search_target,
 )
 
 # Head (0, 0): a good cheap candidate; head (1, 0): only a poor one; head (1, 1): one pruned (inf) and
@@ -84,3 +85,64 @@ def test_search_target_finds_the_cheapest_point_that_meets_the_target():
 def test_bad_targets_are_refused_with_the_value(kind, value):
     with pytest.raises(ValueError, match=str(value) if kind != "loss" else "target kind"):
         check_target(kind, value)
+
+
+# ------------------------------------------------------------------------------ the KL model of --target-kl
+def test_guided_search_meets_the_target_in_fewer_runs_than_bisection():
+    """A path of 40 points whose true KL is 2x what the model predicts: the guided search corrects by the
+    measured/predicted ratio and lands on the same point as bisection, in fewer measurements."""
+    n = 40
+    predicted = [0.1 * 0.8 ** i for i in range(n)] + [0.0]
+    true = [2 * p for p in predicted]
+    path = [Allocation([i]) for i in range(n)] + [Allocation([DENSE])]
+    runs = {"guided": [], "bisect": []}
+
+    def measure(kind):
+        return lambda a: runs[kind].append(a.choices[0]) or true[a.choices[0]]
+
+    guided = search_target(path, measure("guided"), 1e-3, predicted=predicted)
+    plain = search_target(path, measure("bisect"), 1e-3)
+    want = next(i for i in range(n) if true[i] <= 1e-3)
+    assert guided.chosen == plain.chosen == want
+    assert want - 1 in runs["guided"], "the point just cheaper was measured to miss: the cheapest that meets"
+    assert len(runs["guided"]) <= 3 < len(runs["bisect"])
+    assert DENSE not in runs["guided"]
+
+
+def test_guided_search_with_a_wrong_model_still_finds_the_point_and_reports_unreachable():
+    n = 30
+    predicted = [1.0 / (i + 1) for i in range(n)] + [0.0]  # ordering right, scale and shape wrong
+    true = [0.5 ** i for i in range(n)] + [0.0]
+    path = [Allocation([i]) for i in range(n)] + [Allocation([DENSE])]
+    calls = []
+    found = search_target(path, lambda a: calls.append(a.choices[0]) or true[a.choices[0]], 1e-4, predicted=predicted)
+    assert found.chosen == next(i for i in range(n) if true[i] <= 1e-4) and len(calls) <= 2 * 5 + 2
+    missed = search_target(path, lambda a: true[a.choices[0]], 1e-12, predicted=predicted)
+    assert missed.chosen is None and missed.best == n - 1 and n - 1 in missed.measured  # the densest sparse point missed
+
+
+def test_kl_model_ranks_heads_by_measured_layer_sensitivity():
+    # Two layers with identical per-head curves; layer 1 costs 10x the KL per squared error.
+    curve = lambda layer, head: HeadCurve(layer, head, cost=(1.0, 3.0), error=(0.4, 0.1), dense_cost=10.0, names=("a", "b"))
+    curves = [curve(0, 0), curve(0, 1), curve(1, 0), curve(1, 1)]
+    path = lagrangian_path(curves)
+    probe = probe_allocation(curves, path, 0.1)
+    assert probe.choices == [0, 0, 0, 0]  # the cheapest point costs 4/40
+    assert only_layer(probe, curves, 1).choices == [DENSE, DENSE, 0, 0]
+    sens = kl_sensitivity(curves, probe, {0: 0.032, 1: 0.32})  # sum error^2 per layer = 0.32
+    assert sens == pytest.approx({0: 0.1, 1: 1.0})
+    kl_path, predicted = kl_model_path(curves, sens)
+    assert predicted == sorted(predicted, reverse=True) and predicted[0] == pytest.approx(0.032 + 0.32)
+    assert predicted[-1] == 0 and kl_path[-1].choices == [DENSE] * 4
+    # The sensitive layer's heads move first: the first step up the path is in layer 1, not layer 0.
+    first = kl_path[1].choices
+    assert first[2:] != [0, 0] and first[:2] == [0, 0]
+    assert "layer 1 costs 1 KL per squared output error" in next(iter(kl_path[-1].reasons.values())) or \
+           any("costs 1 KL" in r for r in kl_path[-1].reasons.values())
+    assert predicted_kl(kl_model_curves(curves, sens), kl_path[1]) == pytest.approx(predicted[1])
+
+
+def test_a_layer_without_a_measured_kl_takes_the_largest_sensitivity():
+    curves = [HeadCurve(0, 0, (1.0,), (0.2,), 10.0), HeadCurve(1, 0, (1.0,), (0.3,), 10.0), HeadCurve(2, 0, (1.0,), (0.0,), 10.0)]
+    sens = kl_sensitivity(curves, Allocation([0, 0, 0]), {0: 0.004})
+    assert sens == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})

@@ -33,7 +33,7 @@ class ProbeConfig:
     threshold: float = 0.2
     validate: bool = False
     validate_step: int = 2
-    eval_data: str = "synthetic:passkey"
+    eval_data: str = "text:shakespeare"  # like calibrate's --eval-data; retrieval specs add accuracy
     eval_samples: int = 2
     kl_tolerance: float = 0.05
     out: Path = Path("artifacts/smollm2-135m-trianglemix")
@@ -149,31 +149,33 @@ def validate_starts(model, tokenizer, info, cfg: ProbeConfig, base) -> list[dict
     """Sweep L_tri_start (every `validate_step` layers, plus 'none'): triangle attention (inference
     defaults) from layer L on, vs the artifact without it (the model's own attention when there is no
     artifact), which runs once; measured by the one fidelity path (sparsesearch/fidelity.py: attend +
-    compare). Per row: retrieval accuracy, ``kl`` (next-token KL after the prompt, what kl_tolerance
-    bounds), the teacher-forced mean KL over every position, and the reference's retrieval verdict."""
+    compare). Per row: ``kl`` (what kl_tolerance bounds: on retrieval prompts the next-token KL at the
+    answer position; on natural text the teacher-forced mean over every position, since one position of
+    running text is noise), the teacher-forced mean ``kl_mean``, and on retrieval prompts the accuracy and
+    the reference's retrieval verdict (None on natural text)."""
     from ..data import is_retrieval_spec
     from ..fidelity import accuracy, attend, compare, held_out_samples
 
-    if not is_retrieval_spec(cfg.eval_data):
-        raise ValueError(f"--validate needs retrieval prompts with answers (synthetic:kv-retrieval or synthetic:passkey), got {cfg.eval_data!r}")
+    retrieval = is_retrieval_spec(cfg.eval_data)
     heads = base.heads if base is not None else pd.DataFrame(columns=["layer"])
     samples, depths = held_out_samples(cfg.eval_data, tokenizer, samples=cfg.eval_samples, tokens=cfg.settings.tokens,
                                        seed=cfg.settings.seed + 1000)
     artifact = lambda start: SimpleNamespace(manifest=_triangle_manifest(info, start, base), heads=heads)
     reference = attend(model, tokenizer, samples, artifact(None) if base is not None else None, min_tokens=64)
-    rows = [{"start_layer": None, "accuracy": accuracy(reference.generations), "kl": 0.0, "kl_mean": 0.0}]
+    rows = [{"start_layer": None, "accuracy": accuracy(reference.generations) if retrieval else None, "kl": 0.0, "kl_mean": 0.0}]
     for start in info.global_layers[:: cfg.validate_step]:  # triangle starts only on global layers (all layers of a uniform model)
         report = compare(model, samples, reference, attend(model, tokenizer, samples, artifact(start), min_tokens=64), min_tokens=64, depths=depths)
-        rows.append({"start_layer": start, "accuracy": report["sparse_accuracy"], "kl": report["next_token_kl"],
-                     "kl_mean": report["teacher_forced"]["kl_mean"], "verdict": report["retrieval"]["verdict"]})
+        kl_mean = report["teacher_forced"]["kl_mean"]
+        rows.append({"start_layer": start, "accuracy": report["sparse_accuracy"], "kl": report["next_token_kl"] if retrieval else kl_mean,
+                     "kl_mean": kl_mean, "verdict": report["retrieval"]["verdict"] if retrieval else None})
     return rows
 
 
 def smallest_within(rows: list[dict], kl_tolerance: float) -> int | None:
-    """Smallest start layer whose accuracy matches the reference and whose KL is within tolerance,
-    such that every deeper start in the sweep also qualifies."""
+    """Smallest start layer whose accuracy matches the reference (natural text: no accuracy, KL alone) and
+    whose KL is within tolerance, such that every deeper start in the sweep also qualifies."""
     ref = rows[0]["accuracy"]
-    ok = [r for r in rows[1:] if r["accuracy"] >= ref and r["kl"] <= kl_tolerance]
+    ok = [r for r in rows[1:] if (ref is None or r["accuracy"] >= ref) and r["kl"] <= kl_tolerance]
     good = {r["start_layer"] for r in ok}
     starts = [r["start_layer"] for r in rows[1:]]
     best = None
@@ -201,7 +203,7 @@ def _layers_table(result: ProbeResult, start: int, validation: list[dict] | None
                 rec[f"att_{sec}"] = float(result.att_mean[layer, head, i])
                 rec[f"att_{sec}_se"] = float(result.att_se[layer, head, i])
             v = val.get(layer)
-            rec["val_accuracy"] = None if v is None else float(v["accuracy"])
+            rec["val_accuracy"] = None if v is None or v["accuracy"] is None else float(v["accuracy"])
             rec["val_kl"] = None if v is None else float(v["kl"])
             records.append(rec)
     return pd.DataFrame.from_records(records)

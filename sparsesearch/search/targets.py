@@ -15,10 +15,17 @@ module picks one point per head:
 - ``--latency-budget F`` (``budget_allocation``): the dual — the last point of the path whose total cost
   is <= F x the all-dense cost (F a fraction of dense cost under the same cost model, so it means the same
   on a CPU's modelled costs and a GPU's measured ones).
-- ``--target-kl X`` (``search_target``): per-head errors are only a proxy for the model's KL, so the path
-  is bisected with the *measured* KL of each probed allocation (the caller runs the model through the
-  runtime) and the cheapest allocation that meets X is kept. The all-dense end of the path is never a
-  result: when only it meets X the target is unreachable and the caller says so.
+- ``--target-kl X``: the sum of per-head errors orders allocations badly as a KL proxy (a unit of error
+  costs very different KL in different layers), so the path is rebuilt on a measured KL model first:
+  ``probe_allocation`` picks one moderate choice per head, the caller measures the model KL with one layer
+  at a time sparse at it, ``kl_sensitivity`` fits per layer KL_l ~= a_l * sum_h error_h^2 (KL is second
+  order in a small output perturbation) and ``kl_model_curves`` makes each head's "error" its predicted KL
+  share a_l * error^2. The Lagrangian path of those curves runs in order of predicted KL; ``search_target``
+  then measures KL along it (``predicted`` guides each step: the next point is where the predicted KL,
+  rescaled by the last measured/predicted ratio, meets X; bisection when a guided step did not halve the
+  bracket) and keeps
+  the cheapest allocation measured to meet X. The all-dense end of the path is never a result: when only
+  it meets X the target is unreachable and the caller says so.
 
 Everything here is plain data (floats and lists): the caller converts the search's tensors once.
 """
@@ -170,13 +177,19 @@ class TargetSearch:
 
 
 def search_target(path: list[Allocation], measure: Callable[[Allocation], float], target: float,
-                  costs: list[float] | None = None, resolution: float = 0.0) -> TargetSearch:
-    """Bisect the path (value assumed non-increasing along it, as more heads go denser) for the cheapest
-    allocation whose measured value (KL) is <= target. The all-dense end is excluded: measured first is the
-    densest sparse allocation (path[-2]); if it misses, nothing cheaper is tried and chosen is None.
-    Measures about log2(len(path)) + 2 allocations; fewer with costs (cost fraction per path point) and a
-    resolution: the bisection stops once the bracket's points differ by <= resolution of dense cost (each
-    measurement runs the model, and a finer answer would save less than that)."""
+                  costs: list[float] | None = None, resolution: float = 0.0,
+                  predicted: list[float] | None = None) -> TargetSearch:
+    """The cheapest allocation of the path whose measured value (KL) is <= target, the value assumed
+    non-increasing along the path (as heads go denser). The all-dense end is excluded.
+
+    Without ``predicted``: measured first is the densest sparse allocation (path[-2]; if it misses, nothing
+    cheaper is tried and chosen is None), then path[0], then bisection: about log2(len(path)) + 2 runs.
+    With ``predicted`` (a model's value per path point, non-increasing): the first point measured is the
+    cheapest whose prediction meets the target; each next point is the cheapest whose prediction times the
+    last measured/predicted ratio meets it, moved strictly inside the bracket; a guided step that did not
+    halve the bracket is followed by a bisection. Unreachable means path[-2] was measured and missed.
+    Either way the search stops once the bracket's points differ by <= resolution of dense
+    cost (costs: cost fraction per point; each measurement runs the model)."""
     if len(path) < 2:
         raise ValueError("no sparse candidate is cheaper than dense for any head: nothing to allocate")
     measured: dict[int, float] = {}
@@ -186,16 +199,96 @@ def search_target(path: list[Allocation], measure: Callable[[Allocation], float]
             measured[i] = float(measure(path[i]))
         return measured[i]
 
-    hi = len(path) - 2
-    if value(hi) > target:
-        return TargetSearch(None, measured, hi)
-    if value(0) <= target:
-        return TargetSearch(0, measured, 0)
-    lo = 0  # invariant: path[lo] misses the target, path[hi] meets it
-    while hi - lo > 1 and (costs is None or costs[hi] - costs[lo] > resolution):
-        mid = (lo + hi) // 2
+    top = len(path) - 2  # the densest sparse point
+    if predicted is None:
+        if value(top) > target:
+            return TargetSearch(None, measured, top)
+        if value(0) <= target:
+            return TargetSearch(0, measured, 0)
+        lo, hi = 0, top  # invariant: path[lo] misses the target, path[hi] meets it
+    else:
+        lo, hi = -1, top + 1  # -1 / top + 1: no missing / meeting point measured yet
+    guess = None if predicted is None else _guess(predicted, target, 1.0, top)
+    while hi - lo > 1:
+        if lo >= 0 and hi <= top and costs is not None and costs[hi] - costs[lo] <= resolution:
+            break
+        width = hi - lo
+        mid = _next_point(lo, hi, top, guess)
         if value(mid) <= target:
             hi = mid
         else:
             lo = mid
+        # A guided step that did not halve the bracket is followed by a bisection, so a poor model costs at
+        # most about twice the bisection's runs; a good one lands in two or three.
+        guided = guess is not None
+        guess = None if predicted is None or (guided and 2 * (hi - lo) > width) or predicted[mid] <= 0 else \
+            _guess(predicted, target, measured[mid] / predicted[mid], top)
+    if hi > top:
+        return TargetSearch(None, measured, min(measured, key=lambda i: (measured[i], -i)))
     return TargetSearch(hi, measured, hi)
+
+
+def _next_point(lo: int, hi: int, top: int, guess: int | None) -> int:
+    """The next path index to measure in the bracket (lo misses or is -1, hi meets or is top + 1): the guess
+    moved strictly inside (a guess at or past a measured end says the answer is that end: measure its inner
+    neighbour to confirm); without a guess the midpoint."""
+    if guess is not None:
+        return min(max(guess, lo + 1), hi - 1)
+    return (lo + hi) // 2  # also with an open end: -1 and top + 1 keep the midpoint inside [0, top]
+
+
+def _guess(predicted: list[float], target: float, ratio: float, top: int) -> int:
+    """The cheapest path index <= top whose predicted value x ratio meets the target (top when none does)."""
+    return next((i for i in range(top + 1) if predicted[i] * ratio <= target), top)
+
+
+def probe_allocation(curves: list[HeadCurve], path: list[Allocation], cost_fraction: float) -> Allocation:
+    """The allocation each layer's KL sensitivity is measured at: the point of the (error) path whose cost
+    fraction is nearest ``cost_fraction``, except that a layer left all-dense there takes its cheapest
+    candidates (lam = 0), so that every layer with a sparse candidate is probed."""
+    near = min(path[:-1] or path, key=lambda a: abs(a.cost_fraction(curves) - cost_fraction))
+    cheapest = path[0].choices
+    dense_layers = {c.layer for c in curves} - {c.layer for c, i in zip(curves, near.choices) if i != DENSE}
+    choices = [cheapest[k] if c.layer in dense_layers else i for k, (c, i) in enumerate(zip(curves, near.choices))]
+    return Allocation(choices, near.lam)
+
+
+def only_layer(alloc: Allocation, curves: list[HeadCurve], layer: int) -> Allocation:
+    """``alloc`` with every head outside ``layer`` dense."""
+    return Allocation([i if c.layer == layer else DENSE for c, i in zip(curves, alloc.choices)], alloc.lam)
+
+
+def kl_sensitivity(curves: list[HeadCurve], probe: Allocation, layer_kl: dict[int, float]) -> dict[int, float]:
+    """Per layer a_l = KL_l / sum_h error_h^2 over the layer's heads at ``probe`` (layer_kl: the KL measured
+    with only that layer sparse at probe). A layer whose probe is all-dense or error-free gets the largest
+    sensitivity measured (nothing says it is cheap to sparsify)."""
+    sq: dict[int, float] = {}
+    for c, i in zip(curves, probe.choices):
+        sq[c.layer] = sq.get(c.layer, 0.0) + c.error_of(i) ** 2
+    known = {layer: max(0.0, kl) / sq[layer] for layer, kl in layer_kl.items() if sq.get(layer, 0.0) > 0}
+    worst = max(known.values(), default=1.0)
+    return {layer: known.get(layer, worst) for layer in sq}
+
+
+def kl_model_curves(curves: list[HeadCurve], sensitivity: dict[int, float]) -> list[HeadCurve]:
+    """Curves whose error is each candidate's predicted KL share a_l * error^2 (same costs, same candidate
+    indices): the Lagrangian path of these runs in order of predicted model KL."""
+    return [HeadCurve(c.layer, c.head, c.cost, tuple(sensitivity[c.layer] * e * e for e in c.error), c.dense_cost, c.names)
+            for c in curves]
+
+
+def kl_model_path(curves: list[HeadCurve], sensitivity: dict[int, float]) -> tuple[list[Allocation], list[float]]:
+    """The Lagrangian path of ``kl_model_curves`` (allocations in order of predicted KL, dense reasons in
+    terms of the real errors) and the predicted KL of each point, non-increasing along it."""
+    model = kl_model_curves(curves, sensitivity)
+    path = lagrangian_path(model)
+    for a in path:
+        why = lambda c: (f"layer {c.layer} costs {sensitivity[c.layer]:.3g} KL per squared output error: dense costs less than any "
+                         f"sparse candidate's cost + {a.lam:.3g} x dense cost x its predicted KL")
+        a.reasons = {(c.layer, c.head): _dense_reason(c, why(c)) for c, i in zip(curves, a.choices) if i == DENSE}
+    return path, [predicted_kl(model, a) for a in path]
+
+
+def predicted_kl(model_curves: list[HeadCurve], alloc: Allocation) -> float:
+    """The KL model's value of an allocation: the sum of its heads' predicted shares (kl_model_curves)."""
+    return sum(c.error_of(i) for c, i in zip(model_curves, alloc.choices))
