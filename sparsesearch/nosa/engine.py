@@ -486,7 +486,7 @@ class SlotLayer(DecodeLayer):
         batch, kv_heads, n, dim = keys.shape
         self.kv_heads, self.group, self.scale = kv_heads, queries.shape[1] // kv_heads, scale
         lengths = (n - starts).to(keys.device)
-        capacity = int(lengths.max()) + (self.max_new_tokens or DEFAULT_HEADROOM) + 1
+        capacity = int(lengths.max()) + (DEFAULT_HEADROOM if self.max_new_tokens is None else self.max_new_tokens) + 1
         fused = keys.is_cuda if self.fused is None else self.fused
         dec = SlotDecoder(self.cfg, batch=batch, kv_heads=kv_heads, group=self.group, dim=dim, capacity=capacity, dtype=keys.dtype,
                           device=keys.device, eviction=self.eviction, seed=self.seed, fused=fused,
