@@ -2,9 +2,9 @@
 launches over static shapes, with no host synchronisation, so a whole model step can be captured in one
 CUDA graph (benchmarks/nosa_decode.py does).
 
-The engine (nosa/engine.py) serves transformers' ``generate()`` for every proxy and keeps per-sequence
-Python where the proxies need the full history (snapkv, tova re-score all keys at each block boundary).
-This decoder is the throughput path for the proxies whose per-token score is a function of the token
+The engine (nosa/engine.py) serves transformers' ``generate()`` for every proxy; its torch decoder keeps
+per-sequence Python where the proxies need the full history (snapkv, tova re-score all keys at each block
+boundary), and its slot decoder (engine.SlotLayer) runs this class. This decoder is the throughput path for the proxies whose per-token score is a function of the token
 alone (``trained``: A·softplus(W·v), ``vnorm``: ||v||, ``random``), which is what a NOSA checkpoint runs:
 
 * host store: keys/values [B, Hkv, capacity, D] in pinned memory; each new token is written there by the

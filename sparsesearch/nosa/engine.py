@@ -5,7 +5,7 @@ fetched by set difference of the slot map, decode attention over the slots only.
 Use::
 
     engine = enable_nosa(model, artifact)              # registers the attention function (AttentionInterface)
-    cache = engine.new_cache()                         # a transformers Cache: generate() needs no patching
+    cache = engine.new_cache(max_new_tokens=64)        # a transformers Cache: generate() needs no patching
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
     print(cache.memory_report())                       # device vs host bytes, H2D/D2H traffic
     disable_nosa(model)
@@ -17,6 +17,11 @@ query-agnostic scores are recomputed when a sequence starts a new block, the sel
 picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
 (kernels/gather.py; the previous tail block moves from the tail slot, never from the host).
 Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
+
+Two decoders (``decoder=`` of ``enable_nosa``; docs/nosa.md "Which decoder serves generate()"): ``SlotLayer``
+runs a ``device.SlotDecoder`` per global layer, batched over sequences and KV heads (the fused Triton
+step on a GPU), for trained, vnorm and random; ``OffloadedLayer``, described below, runs every proxy with
+per-sequence torch code and is the reference. ``auto`` takes the slot decoder on a GPU where it can.
 
 Query-agnostic proxies (nosa/proxies.py defines them for the sweep) are recomputed only at a sequence's
 refresh positions P (the prompt's end, then each new block's first token) and frozen in between, so the
