@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsesearch.nosa.config import NosaConfig, make_config
-from sparsesearch.nosa.engine import disable_nosa, enable_nosa, resolve_decoder, right_aligned
+from sparsesearch.nosa.engine import _fusable, disable_nosa, enable_nosa, resolve_decoder, right_aligned
 from sparsesearch.runtime.offload_cache import NosaLayer, SlotNosaLayer
 from test_nosa_engine import ragged_batch, tiny_llama
 
@@ -138,6 +138,8 @@ def test_decoder_choice_and_bad_input():
     assert resolve_decoder("auto", "trained", torch.device("cpu")) == "torch"  # the CPU reference
     assert resolve_decoder("auto", "h2o", torch.device("cuda")) == "torch"
     assert resolve_decoder("slot", "random", torch.device("cpu")) == "slot"
+    vnorm = make_config(128, 0.25, 32, "vnorm")
+    assert _fusable(vnorm, 64) and not _fusable(vnorm, 80) and not _fusable(make_config(192, 0.25, 48, "vnorm"), 64)  # else the torch step
     model = tiny_llama(layers=1)
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match="decoder 'fast' is unknown; choose one of auto, slot, torch"):

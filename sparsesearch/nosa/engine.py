@@ -459,6 +459,7 @@ class SlotLayer(DecodeLayer):
     next layer steps when the scratch is shared)."""
 
     def __init__(self, cfg: NosaConfig, seed: int = 0, *, fused: bool | None = None, max_new_tokens: int | None = None, shared: dict | None = None):
+        """fused: the Triton step; None: on a GPU where the shape allows it (``_fusable``), else the torch step."""
         super().__init__(cfg, seed)
         self.fused, self.max_new_tokens = fused, max_new_tokens
         self.shared = {} if shared is None else shared
@@ -492,9 +493,10 @@ class SlotLayer(DecodeLayer):
         self.kv_heads, self.group, self.scale = kv_heads, queries.shape[1] // kv_heads, scale
         lengths = (n - starts).to(keys.device)
         capacity = int(lengths.max()) + (DEFAULT_HEADROOM if self.max_new_tokens is None else self.max_new_tokens) + 1
-        fused = keys.is_cuda if self.fused is None else self.fused
+        fused = keys.is_cuda and _fusable(self.cfg, dim) if self.fused is None else self.fused
+        eviction = None if self.eviction is None else tuple(t.detach().float() for t in self.eviction)  # scores in fp32, as the torch decoder
         dec = SlotDecoder(self.cfg, batch=batch, kv_heads=kv_heads, group=self.group, dim=dim, capacity=capacity, dtype=keys.dtype,
-                          device=keys.device, eviction=self.eviction, seed=self.seed, fused=fused,
+                          device=keys.device, eviction=eviction, seed=self.seed, fused=fused,
                           scratch=self.shared.get(("select", _whole_blocks(capacity, self.cfg.block))) if fused else None,
                           attend_scratch=self.shared.get("attend") if fused else None)
         dec.scale = scale  # the model's own scaling (Gemma's query_pre_attn_scalar), not dim ** -0.5
@@ -535,6 +537,16 @@ class SlotLayer(DecodeLayer):
         return dec.memory() | {"host_bytes_used": int(self.lengths.sum()) * token, "h2d_bytes": fetched * block,
                                "d2h_bytes": self.steps * dec.batch * token, "blocks_moved_from_tail": 0, "steps": self.steps,
                                "fetched_blocks": fetched, "dropped_blocks": dropped, "store_regrowths": self.grown}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _fusable(cfg: NosaConfig, dim: int) -> bool:
+    """Whether the fused Triton step serves this shape (kernels/nosa_append.py: power-of-two head_dim and
+    pooling kernel; kernels/nosa_attend.py: a power-of-two block >= 16); otherwise the slot decoder's torch step."""
+    return _pow2(dim) and _pow2(cfg.kernel) and _pow2(cfg.block) and cfg.block >= 16
 
 
 DECODERS = ("auto", "slot", "torch")
