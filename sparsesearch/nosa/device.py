@@ -2,9 +2,9 @@
 launches over static shapes, with no host synchronisation, so a whole model step can be captured in one
 CUDA graph (benchmarks/nosa_decode.py does).
 
-The engine (nosa/engine.py) serves transformers' ``generate()`` for every proxy and keeps per-sequence
-Python where the proxies need the full history (snapkv, tova re-score all keys at each block boundary).
-This decoder is the throughput path for the proxies whose per-token score is a function of the token
+The engine (nosa/engine.py) serves transformers' ``generate()`` for every proxy; its torch decoder keeps
+per-sequence Python where the proxies need the full history (snapkv, tova re-score all keys at each block
+boundary), and its slot decoder (engine.SlotLayer) runs this class. This decoder is the throughput path for the proxies whose per-token score is a function of the token
 alone (``trained``: A·softplus(W·v), ``vnorm``: ||v||, ``random``), which is what a NOSA checkpoint runs:
 
 * host store: keys/values [B, Hkv, capacity, D] in pinned memory; each new token is written there by the
@@ -109,9 +109,7 @@ class SlotDecoder:
         self._dst_row0 = pairs * (cfg.k + 1)  # first slot row of each (sequence, KV head)
         self.fused = device.type == "cuda" if fused is None else fused
         if self.fused:
-            self.scratch = scratch or SelectScratch(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype, device)
-            if not self.scratch.fits(batch * kv_heads, group, self.units.shape[2], self.n_blocks, cfg.k, bs, dtype):
-                raise ValueError("the shared selection scratch was made for another shape")
+            self._use_scratch(scratch)
         self.attention = attention or ("triton" if self.fused else "sdpa")
         if self.attention not in ("triton", "sdpa"):
             raise ValueError(f"attention must be 'triton' or 'sdpa', got {self.attention!r}")
@@ -122,6 +120,35 @@ class SlotDecoder:
                 raise ValueError(f"attention 'triton' needs a power-of-two block >= 16, got {bs}")
             pairs = batch * kv_heads
             self.attend_scratch = attend_scratch or AttendScratch(pairs, default_splits(pairs, cfg.k + 1, device), self.scratch.group_pad, dim, device)
+
+    def _use_scratch(self, scratch: SelectScratch | None) -> None:
+        """The fused selection's buffers for the current capacity: ``scratch`` when given (it must fit), else new."""
+        shape = (self.batch * self.kv_heads, self.group, self.units.shape[2], self.n_blocks, self.cfg.k, self.cfg.block, self.slots_k.dtype)
+        self.scratch = scratch or SelectScratch(*shape, self.slots_k.device)
+        if not self.scratch.fits(*shape):
+            raise ValueError("the shared selection scratch was made for another shape")
+
+    def grow(self, capacity: int, scratch: SelectScratch | None = None) -> None:
+        """Re-allocate the host store and the per-token state for ``capacity`` tokens per sequence, contents
+        kept (the engine calls it when a generation outruns its hint). Buffers change address: a step
+        captured in a CUDA graph must be captured again. scratch: a shared selection scratch of the new shape."""
+        bs = self.cfg.block
+        capacity = -(-capacity // bs) * bs
+        if capacity <= self.capacity:
+            return
+        old, m_old, pinned = self.capacity, self.units.shape[2], self.keys_host.is_pinned()
+        for name in ("keys_host", "values_host"):
+            x = getattr(self, name)
+            grown = torch.empty((*x.shape[:2], capacity, x.shape[-1]), dtype=x.dtype, pin_memory=pinned)
+            grown[:, :, :old] = x
+            setattr(self, name, grown)
+        self.capacity, self.n_blocks = capacity, capacity // bs
+        self.scores = F.pad(self.scores, (0, capacity - old))
+        self.units = F.pad(self.units, (0, 0, 0, unit_count(capacity, self.cfg.kernel, self.cfg.stride) - m_old))
+        self.se = F.pad(self.se, (0, self.n_blocks - old // bs), value=NEG)
+        self._src_row0 = torch.arange(self.batch * self.kv_heads, device=self.se.device).view(self.batch, self.kv_heads, 1) * self.n_blocks
+        if self.fused:
+            self._use_scratch(scratch)
 
     # ------------------------------------------------------------------------------------------ prefill
 

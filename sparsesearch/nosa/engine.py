@@ -5,7 +5,7 @@ fetched by set difference of the slot map, decode attention over the slots only.
 Use::
 
     engine = enable_nosa(model, artifact)              # registers the attention function (AttentionInterface)
-    cache = engine.new_cache()                         # a transformers Cache: generate() needs no patching
+    cache = engine.new_cache(max_new_tokens=64)        # a transformers Cache: generate() needs no patching
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
     print(cache.memory_report())                       # device vs host bytes, H2D/D2H traffic
     disable_nosa(model)
@@ -17,6 +17,11 @@ query-agnostic scores are recomputed when a sequence starts a new block, the sel
 picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
 (kernels/gather.py; the previous tail block moves from the tail slot, never from the host).
 Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
+
+Two decoders (``decoder=`` of ``enable_nosa``; docs/nosa.md "Which decoder serves generate()"): ``SlotLayer``
+runs a ``device.SlotDecoder`` per global layer, batched over sequences and KV heads (the fused Triton
+step on a GPU), for trained, vnorm and random; ``OffloadedLayer``, described below, runs every proxy with
+per-sequence torch code and is the reference. ``auto`` takes the slot decoder on a GPU where it can.
 
 Query-agnostic proxies (nosa/proxies.py defines them for the sweep) are recomputed only at a sequence's
 refresh positions P (the prompt's end, then each new block's first token) and frozen in between, so the
@@ -74,37 +79,29 @@ def _pinned(shape, dtype, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
 
-class OffloadedLayer:
-    """One global layer's offloaded cache (no transformers import here: ``runtime.offload_cache.NosaLayer``
-    adds transformers' CacheLayerMixin to it). Host: keys/values [B, Hkv, capacity, D] (each sequence from its
-    own first token), per-token query-agnostic scores [B, Hkv, capacity]. Device: slots [B, Hkv, k, block, D],
-    slot map [B, Hkv, k] (block id or -1), tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D];
-    h2o: accumulated attention ``colsum`` [B, Hkv, capacity]; persistence: ``qa_ring`` [B, Hkv, block, set
-    size] of block ids (-1 empty)."""
+class DecodeLayer:
+    """The transformers cache-layer protocol both decoders share (``runtime.offload_cache`` adds
+    CacheLayerMixin): prefill K/V are returned as they are (the attention function hands them to
+    ``prefill`` with the padding it sees); a decode token goes to ``_append`` once the layer is ``filled``,
+    and the attention function then calls ``decode``. ``seen`` counts padded positions, for masks."""
 
     def __init__(self, cfg: NosaConfig, seed: int = 0):
         self.keys = self.values = None
         self.is_initialized = False
         self.cfg, self.seed = cfg, seed
-        self.seen = 0  # tokens the model's positions have advanced (padded coordinate, for masks)
-        self.h2d_bytes = self.d2h_bytes = self.moved_blocks = self.steps = 0
-        self.last_selected = None
+        self.seen = 0
+        self.steps = 0
         self.eviction = None
-        self.colsum = self.qa_ring = None
-
-    # ------------------------------------------------------------------ transformers Cache layer protocol
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Prefill: returned as is (the attention function stores them with the padding it sees).
-        Decode: each sequence's new token is appended to the host store and the tail block."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.seen += key_states.shape[-2]
-        if key_states.shape[-2] == 1 and hasattr(self, "keys_host"):
+        if key_states.shape[-2] == 1 and self.filled:
             self._append(key_states[:, :, 0], value_states[:, :, 0])
         return key_states, value_states
 
@@ -116,6 +113,24 @@ class OffloadedLayer:
 
     def get_max_length(self) -> int:
         return -1
+
+
+class OffloadedLayer(DecodeLayer):
+    """One global layer's offloaded cache, decoded by per-sequence torch code (every proxy). Host:
+    keys/values [B, Hkv, capacity, D] (each sequence from its own first token), per-token query-agnostic
+    scores [B, Hkv, capacity]. Device: slots [B, Hkv, k, block, D], slot map [B, Hkv, k] (block id or -1),
+    tail block [B, Hkv, block, D], compressed keys [B, Hkv, M, D]; h2o: accumulated attention ``colsum``
+    [B, Hkv, capacity]; persistence: ``qa_ring`` [B, Hkv, block, set size] of block ids (-1 empty)."""
+
+    def __init__(self, cfg: NosaConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        self.h2d_bytes = self.d2h_bytes = self.moved_blocks = 0
+        self.last_selected = None
+        self.colsum = self.qa_ring = None
+
+    @property
+    def filled(self) -> bool:
+        return hasattr(self, "keys_host")
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -422,6 +437,137 @@ def _gather(layer: OffloadedLayer, b, h, blocks, slots) -> None:
         gather_blocks(store.view(-1, block, dim), rows, slot.view(-1, block, dim), dst)
 
 
+def right_aligned(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Left-padded x [B, H, N, D] with each sequence's first real token at starts[b] -> each sequence from
+    its first token, zeros after its length (the SlotDecoder's right-padded prompt), [B, H, N, D]."""
+    n = x.shape[2]
+    idx = torch.arange(n, device=x.device)[None] + starts.to(x.device)[:, None]  # [B, N]
+    out = x.gather(2, idx.clamp(max=n - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+    return out.masked_fill((idx >= n)[:, None, :, None], 0)
+
+
+class SlotLayer(DecodeLayer):
+    """One global layer decoded by a ``device.SlotDecoder`` batched over sequences and KV heads (proxies
+    trained, vnorm, random): on a GPU the fused Triton step (append, selection + slot map, slot attention
+    that reads missed blocks from pinned memory), with no per-sequence Python after the prefill.
+
+    Capacity: the decoder's host store holds the longest prompt plus ``max_new_tokens`` (the hint given to
+    ``new_cache``; DEFAULT_HEADROOM without one) and is re-allocated at twice its size when a generation
+    outruns it (``SlotDecoder.grow``: one host copy of the store, rare). ``shared`` is a dict the cache's
+    slot layers share: the fused kernels' scratch, made by the first layer of each capacity (a step's
+    scratch is consumed within the layer's step, so ``last_selected`` is the layer's own only until the
+    next layer steps when the scratch is shared)."""
+
+    def __init__(self, cfg: NosaConfig, seed: int = 0, *, fused: bool | None = None, max_new_tokens: int | None = None, shared: dict | None = None):
+        """fused: the Triton step; None: on a GPU where the shape allows it (``_fusable``), else the torch step."""
+        super().__init__(cfg, seed)
+        self.fused, self.max_new_tokens = fused, max_new_tokens
+        self.shared = {} if shared is None else shared
+        self.decoder = None
+        self.pending = None
+        self.grown = 0  # re-allocations of the host store
+
+    @property
+    def filled(self) -> bool:
+        return self.decoder is not None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.decoder.lengths
+
+    @property
+    def last_selected(self) -> torch.Tensor:
+        """bool [B, Hkv, n_blocks] of the last step (the tail block excluded)."""
+        return self.decoder.last_selected
+
+    @property
+    def slot_map(self) -> torch.Tensor:
+        return self.decoder.slot_map
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, starts: torch.Tensor, scale: float) -> None:
+        """keys/values [B, Hkv, N, D], queries [B, Hq, N, D] (only their head count is read: the device
+        proxies do not look at queries); starts long [B]: the first real token of each left-padded sequence."""
+        from .device import SlotDecoder
+
+        batch, kv_heads, n, dim = keys.shape
+        self.kv_heads, self.group, self.scale = kv_heads, queries.shape[1] // kv_heads, scale
+        lengths = (n - starts).to(keys.device)
+        capacity = int(lengths.max()) + (DEFAULT_HEADROOM if self.max_new_tokens is None else self.max_new_tokens) + 1
+        fused = keys.is_cuda and _fusable(self.cfg, dim) if self.fused is None else self.fused
+        eviction = None if self.eviction is None else tuple(t.detach().float() for t in self.eviction)  # scores in fp32, as the torch decoder
+        dec = SlotDecoder(self.cfg, batch=batch, kv_heads=kv_heads, group=self.group, dim=dim, capacity=capacity, dtype=keys.dtype,
+                          device=keys.device, eviction=eviction, seed=self.seed, fused=fused,
+                          scratch=self.shared.get(("select", _whole_blocks(capacity, self.cfg.block))) if fused else None,
+                          attend_scratch=self.shared.get("attend") if fused else None)
+        dec.scale = scale  # the model's own scaling (Gemma's query_pre_attn_scalar), not dim ** -0.5
+        self._share(dec)
+        dec.prefill(right_aligned(keys, starts), right_aligned(values, starts), lengths)
+        self.decoder = dec
+
+    def _share(self, dec) -> None:
+        if dec.fused:
+            self.shared[("select", dec.capacity)] = dec.scratch
+            if dec.attention == "triton":
+                self.shared["attend"] = dec.attend_scratch
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, Hkv, D], the new token; the decoder appends it inside its step (``decode``)."""
+        dec = self.decoder
+        if max(dec.host_lengths) >= dec.capacity:  # host-side lengths: no sync
+            capacity = 2 * dec.capacity
+            dec.grow(capacity, self.shared.get(("select", capacity)) if dec.fused else None)
+            self._share(dec)
+            self.grown += 1
+        self.pending = (k, v)
+
+    def decode(self, query: torch.Tensor) -> torch.Tensor:
+        """query: [B, Hq, 1, D] of the token ``_append`` received. Returns [B, 1, Hq, D]."""
+        k, v = self.pending
+        self.pending = None
+        self.steps += 1
+        return self.decoder.step(query[:, :, 0], k, v)[:, None]
+
+    def memory(self) -> dict:
+        """The engine's accounting from the decoder: device vs host bytes, H2D from its ``fetched`` counter
+        (whole blocks, K and V), D2H the new tokens; ``dropped_blocks`` (misses past the fetch list) must be 0."""
+        dec = self.decoder
+        fetched, dropped = (int(x) for x in dec.counters.tolist())
+        token = self.kv_heads * dec.dim * 2 * dec.keys_host.element_size()  # K and V of one token, every KV head
+        block = self.cfg.block * dec.dim * 2 * dec.keys_host.element_size()  # K and V of one block, one KV head
+        return dec.memory() | {"host_bytes_used": int(self.lengths.sum()) * token, "h2d_bytes": fetched * block,
+                               "d2h_bytes": self.steps * dec.batch * token, "blocks_moved_from_tail": 0, "steps": self.steps,
+                               "fetched_blocks": fetched, "dropped_blocks": dropped, "store_regrowths": self.grown}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _fusable(cfg: NosaConfig, dim: int) -> bool:
+    """Whether the fused Triton step serves this shape (kernels/nosa_append.py: power-of-two head_dim and
+    pooling kernel; kernels/nosa_attend.py: a power-of-two block >= 16); otherwise the slot decoder's torch step."""
+    return _pow2(dim) and _pow2(cfg.kernel) and _pow2(cfg.block) and cfg.block >= 16
+
+
+DECODERS = ("auto", "slot", "torch")
+DEFAULT_HEADROOM = 256  # decode tokens a slot layer's store holds beyond the prompt without a max_new_tokens hint
+
+
+def resolve_decoder(decoder: str, proxy: str, device: torch.device) -> str:
+    """``auto``: the slot decoder on a GPU for the proxies it serves (``device.DEVICE_PROXIES``), the torch
+    decoder otherwise (snapkv, tova, h2o, persistence need the history or the attention at a refresh; on a
+    CPU the torch decoder is the reference). Returns ``slot`` or ``torch``; ValueError names a bad value."""
+    from .device import DEVICE_PROXIES
+
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder {decoder!r} is unknown; choose one of {', '.join(DECODERS)}")
+    if decoder == "slot" and proxy not in DEVICE_PROXIES:
+        raise ValueError(f"decoder 'slot' serves proxies {', '.join(DEVICE_PROXIES)}, not {proxy!r}; use decoder 'torch' or 'auto'")
+    if decoder == "auto":
+        return "slot" if proxy in DEVICE_PROXIES and torch.device(device).type == "cuda" else "torch"
+    return decoder
+
+
 @dataclass
 class NosaEngine:
     cfg: NosaConfig
@@ -430,12 +576,16 @@ class NosaEngine:
     eviction: dict
     seed: int = 0
     active: object = None
+    decoder: str = "torch"  # resolved: "slot" or "torch" (``resolve_decoder``)
+    fused: bool | None = None  # slot decoder: the Triton step (None: on a GPU)
 
-    def new_cache(self):
-        """A fresh ``runtime.offload_cache.NosaCache`` (a transformers Cache) for one ``generate`` call."""
+    def new_cache(self, max_new_tokens: int | None = None):
+        """A fresh ``runtime.offload_cache.NosaCache`` (a transformers Cache) for one ``generate`` call.
+        max_new_tokens: the slot decoder's store is sized for the prompt plus this many tokens (it grows
+        past them by re-allocation); the torch decoder grows its store on demand."""
         from ..runtime.offload_cache import NosaCache
 
-        return NosaCache(self)
+        return NosaCache(self, max_new_tokens=max_new_tokens)
 
 
 def config_from_artifact(artifact) -> NosaConfig:
@@ -458,13 +608,13 @@ def config_from_artifact(artifact) -> NosaConfig:
     return cfg
 
 
-def active_layer(module) -> OffloadedLayer | None:
+def active_layer(module) -> DecodeLayer | None:
     """The NosaLayer of the cache in use for this attention module, or None (no engine, no NOSA cache in
     use, or a sliding layer)."""
     engine: NosaEngine | None = getattr(module, _ENGINE, None)
     cache = engine.active() if engine is not None and engine.active is not None else None
     layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
-    return layer if isinstance(layer, OffloadedLayer) else None
+    return layer if isinstance(layer, DecodeLayer) else None
 
 
 def route(module, query, key, value, attention_mask, scaling, prefill_attention):
@@ -474,7 +624,7 @@ def route(module, query, key, value, attention_mask, scaling, prefill_attention)
     layer = active_layer(module)
     if layer is None:
         return prefill_attention()
-    filled = hasattr(layer, "keys_host")
+    filled = layer.filled
     if filled and query.shape[2] == 1:
         return layer.decode(query), None
     if filled:
@@ -503,9 +653,11 @@ def _padding_starts(mask, batch: int, device) -> torch.Tensor:
     return last_row.long().argmax(-1).expand(batch)
 
 
-def attach(model, cfg: NosaConfig, *, seed: int = 0) -> NosaEngine:
+def attach(model, cfg: NosaConfig, *, seed: int = 0, decoder: str = "auto", fused: bool | None = None) -> NosaEngine:
     """Give the text decoder's attention modules a NOSA engine (``engine.new_cache()`` makes its caches).
-    Registration of an attention function is the caller's (``enable_nosa``, or ``runtime.apply``)."""
+    decoder: ``auto`` | ``slot`` | ``torch`` (``resolve_decoder``, on the model's device); fused: the slot
+    decoder's Triton step (None: on a GPU). Registration of an attention function is the caller's
+    (``enable_nosa``, or ``runtime.apply``)."""
     from ..models import info_from_model
     from .proxies import eviction_weights
     from .sweep import global_layers
@@ -515,7 +667,8 @@ def attach(model, cfg: NosaConfig, *, seed: int = 0) -> NosaEngine:
     eviction = {m.layer_idx: eviction_weights(m) for m in modules if eviction_weights(m) is not None}
     if cfg.proxy == "trained" and not eviction:
         raise ValueError("proxy 'trained' needs a NOSA checkpoint with an eviction head; this model has none")
-    engine = NosaEngine(cfg, frozenset(global_layers(info)), info.num_layers, eviction, seed)
+    resolved = resolve_decoder(decoder, cfg.proxy, next(model.parameters()).device)
+    engine = NosaEngine(cfg, frozenset(global_layers(info)), info.num_layers, eviction, seed, decoder=resolved, fused=fused)
     for module in modules:
         setattr(module, _ENGINE, engine)
     return engine
@@ -531,10 +684,13 @@ def detach(model) -> None:
             delattr(module, _ENGINE)
 
 
-def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: int = 0) -> NosaEngine:
+def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: int = 0, decoder: str = "auto",
+                fused: bool | None = None) -> NosaEngine:
     """Route the text decoder's attention through NOSA decode with the artifact's recommended configuration
-    (or ``cfg``), dense prefill. Returns the engine; ``engine.new_cache()`` is the cache for ``generate``.
-    (``sparsesearch.runtime.apply`` does the same on top of the artifact's sparse prefill.)"""
+    (or ``cfg``), dense prefill. Returns the engine; ``engine.new_cache(max_new_tokens)`` is the cache for
+    ``generate``. decoder: ``auto`` (the slot decoder on a GPU for trained/vnorm/random, else torch),
+    ``slot`` or ``torch``; fused: the slot decoder's Triton step (None: on a GPU). (``sparsesearch.runtime.apply``
+    does the same on top of the artifact's sparse prefill, with decoder ``auto``.)"""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -545,7 +701,7 @@ def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: in
         from ..models import info_from_model
 
         check_fits(artifact.manifest, info_from_model(model))
-    engine = attach(model, cfg if cfg is not None else config_from_artifact(artifact), seed=seed)
+    engine = attach(model, cfg if cfg is not None else config_from_artifact(artifact), seed=seed, decoder=decoder, fused=fused)
     AttentionInterface.register(ATTN_NAME, nosa_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     if not hasattr(model, _PREVIOUS):
