@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--modal", action="store_true", help="video/text interleave: the whole Alg. 4 per layer")
     parser.add_argument("--device", default="cuda", help="cuda (timings) or cpu (a smoke run at small shapes)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/sparsesearch_costs.json"), help="the measured-cost cache (a warm run reuses it)")
+    parser.add_argument("--no-table", action="store_true", help="time every launch the exact cache keys miss (no cost-table interpolation)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/search_time.py needs a CUDA GPU (or --device cpu for a smoke run)")
@@ -77,11 +79,12 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out_path = args.out or Path(f"benchmarks/results/search_time{'_modal' if args.modal else ''}.json")
     space = load_space()
-    costs = MeasuredCost(cache_path=Path("/tmp/sparsesearch_costs.json")) if dev.type == "cuda" else AnalyticCost()
+    costs = MeasuredCost(cache_path=args.cache, interpolate=not args.no_table) if dev.type == "cuda" else AnalyticCost()
     modality = interleave(args.tokens, dev, span=min(1024, args.tokens // 8)) if args.modal else None
     kinds: dict[str, int] = {}
     totals = {"index_s": 0.0, "kernel_s": 0.0, "objective_s": 0.0}
     mix: dict[str, int] = {}
+    picks: list[str] = []  # every head's pattern, layer by layer (two runs' choices compare position by position)
     started = time.perf_counter()
     gen_s = 0.0
     for layer in range(args.layers):
@@ -101,10 +104,13 @@ def main() -> None:
                 kinds[kind] = kinds.get(kind, 0) + 1
         for r in head_rows(scored, budget, "output_error"):
             mix[r["pattern"]] = mix.get(r["pattern"], 0) + 1
+            picks.append(r["pattern"])
         for t in timings:
             for key in totals:
                 totals[key] += getattr(t, key)
         print(f"layer {layer:2d}: {time.perf_counter() - started:6.1f} s", flush=True)
+    if hasattr(costs, "flush"):
+        costs.flush()
     wall = time.perf_counter() - started - gen_s
     row = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
@@ -113,6 +119,8 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."), "head_space": args.head_space, "search_s": round(wall, 2),
         **{k: round(v, 2) for k, v in totals.items()},
         "cost_measurement_and_other_s": round(wall - sum(totals.values()), 2), "patterns": mix,
+        "costs_timed": getattr(costs, "timed", None), "costs_priced": getattr(costs, "priced", None), "table": not args.no_table,
+        "picks": picks,
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -498,6 +498,11 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
         capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
     search_s = time.perf_counter() - started
+    launches = {}
+    if costs.kind == "measured":  # the user cache now holds every time measured; a copy goes beside the artifact
+        costs.flush()
+        costs.save_to(cfg.out.with_name(cfg.out.name + ".costs.json"))
+        launches = {"cost_launches": {"timed": costs.timed, "priced_from_table": costs.priced}}
 
     rows, layer_errors, boundary_report = [], {}, {}
     lengths = [int(s.input_ids.numel()) for s in samples]
@@ -521,6 +526,7 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
             },
             "max_tokens": cfg.max_tokens, "samples": cfg.samples,
             "timings_s": {"search": round(search_s, 2), **{k: round(v, 2) for k, v in dataclasses.asdict(total).items()}},
+            **launches,
             "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},
         },
     }}

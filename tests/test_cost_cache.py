@@ -50,3 +50,56 @@ def test_kernel_version_follows_the_kernel_sources(tmp_path):
     (tmp_path / "a.py").write_text("x = 2\n")
     assert kernel_version(tmp_path) != before
     assert kernel_version() == cache_env()["kernels"]
+
+
+def _launch(full, partial, cols, programs):
+    return [1.0, float(full), float(partial), float(cols), float(programs)]
+
+
+def _line(f):
+    """A kernel's time as the table models it: launch floor + per block + per column block + per program."""
+    return 0.02 + 0.004 * f[1] + 0.006 * f[2] + 0.003 * f[3] + 0.0005 * f[4]
+
+
+def test_cost_table_interpolates_inside_what_it_measured_and_nowhere_else():
+    from sparsesearch.search.cost import NEIGHBOURS, CostTable
+
+    table = CostTable()
+    grid = [_launch(full, partial, cols, programs) for full, partial, cols, programs in
+            [(100, 20, 0, 64), (400, 40, 8, 64), (900, 60, 16, 128), (1600, 80, 4, 256), (200, 90, 12, 256),
+             (1200, 30, 2, 128), (700, 10, 10, 192), (50, 70, 6, 96), (1500, 50, 14, 64), (300, 55, 3, 224),
+             (1100, 85, 15, 80), (600, 5, 9, 160), (1300, 65, 11, 240)]]
+    inside = _launch(800, 45, 7, 150)
+    for i, f in enumerate(grid):
+        if i + 1 < NEIGHBOURS:
+            assert table.predict("fam", inside) is None  # too few points for a local fit
+        table.add("fam", f, _line(f) * (1.01 if i % 2 else 0.99))  # 1% timing noise
+    got = table.predict("fam", inside)
+    assert got is not None and abs(got - _line(inside)) < 0.05 * _line(inside)
+    assert table.predict("fam", _launch(3000, 45, 7, 150)) is None  # more blocks than any measured launch
+    assert table.predict("fam", _launch(800, 45, 7, 512)) is None  # a longer sequence than measured
+    assert table.predict("other", inside) is None  # another family learns nothing from this one
+
+
+def test_cost_table_refuses_a_fit_that_does_not_explain_its_points():
+    from sparsesearch.search.cost import CostTable
+
+    table = CostTable()
+    for i in range(12):
+        f = _launch(100 * (i + 1), 10 * (i % 5), i % 3, 64 * (1 + i % 4))
+        table.add("fam", f, _line(f) * (3.0 if i == 5 else 1.0))  # one launch 3x off the line, among the nearest
+    assert table.predict("fam", _launch(550, 20, 1, 128)) is None
+
+
+def test_cost_table_points_persist_under_the_stamp_and_a_copy_loads(tmp_path):
+    costs = MeasuredCost(cache_path=tmp_path / "costs.json")
+    costs.table.add("H200|block_topk|32x128|torch.bfloat16|128x128", _launch(1, 2, 0, 4), 0.5)
+    costs._write()
+    assert MeasuredCost(cache_path=tmp_path / "costs.json").table.points == costs.table.points
+    costs.save_to(tmp_path / "artifact" / "costs.json")
+    assert MeasuredCost(cache_path=tmp_path / "artifact" / "costs.json").table.points == costs.table.points
+    stale = json.loads((tmp_path / "costs.json").read_text())
+    stale["env"]["kernels"] = "0" * 16
+    (tmp_path / "costs.json").write_text(json.dumps(stale))
+    with pytest.warns(UserWarning, match="ignoring cost cache"):
+        assert MeasuredCost(cache_path=tmp_path / "costs.json").table.points == {}
