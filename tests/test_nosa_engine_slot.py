@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from sparsesearch.nosa.config import NosaConfig, make_config
 from sparsesearch.nosa.engine import _fusable, disable_nosa, enable_nosa, resolve_decoder, right_aligned
@@ -32,7 +33,7 @@ def generate(model, cfg, decoder: str, fused: bool | None = None, hint: int | No
     """Greedy generate() of NEW tokens on the ragged batch; returns (tokens, per layer the selection after
     each step, the cache). hint 0: the slot store holds the prompt only and grows during the run."""
     torch.manual_seed(3)
-    ids, mask = ragged_batch(PROMPT, PAD)
+    ids, mask = (t.to(next(model.parameters()).device) for t in ragged_batch(PROMPT, PAD))
     engine = enable_nosa(model, cfg=cfg, decoder=decoder, fused=fused)
     try:
         cache = engine.new_cache(max_new_tokens=hint)
@@ -75,7 +76,7 @@ CASES = [
 
 @pytest.mark.parametrize("proxy,cfg,fused", CASES)
 def test_slot_decoder_generates_what_the_torch_decoder_does(proxy, cfg, fused):
-    model = tiny_llama(layers=1)
+    model = tiny_llama(layers=1).to(DEVICE if fused else "cpu")  # Triton needs the GPU where there is one
     if proxy == "trained":
         with_eviction_heads(model)
     reference = generate(model, cfg, "torch")

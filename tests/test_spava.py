@@ -341,7 +341,8 @@ def test_spava_ranks_with_split_k_equal_unsplit():
         for plain, sim in zip(spava_world(q, k, v, lay, 0.125, PLAIN), spava_world(q, k, v, lay, 0.125, split)):
             want = spava_attention(plain.q, plain.k, plain.v, lay, plain.rank, 0.125, engine=PLAIN, exchange=plain.replay)
             got = spava_attention(sim.q, sim.k, sim.v, lay, sim.rank, 0.125, engine=split, exchange=sim.replay)
-            assert relative_error(got, want) < 1e-4, f"{split.kind} rank {sim.rank}"
+            # the Triton engine's fp32 dots run as TF32 on a GPU (9e-4 on an H200): its floor, not 1e-4
+            assert relative_error(got, want) < max(1e-4, error_floor(q.dtype, q.device)), f"{split.kind} rank {sim.rank}"
 
 
 @pytest.mark.parametrize("world", [2, 3])

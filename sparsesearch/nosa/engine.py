@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels._common import interpreting
 from .config import NosaConfig
 from .proxies import (
     OBS_WINDOW,
@@ -494,6 +495,8 @@ class SlotLayer(DecodeLayer):
         lengths = (n - starts).to(keys.device)
         capacity = int(lengths.max()) + (DEFAULT_HEADROOM if self.max_new_tokens is None else self.max_new_tokens) + 1
         fused = keys.is_cuda and _fusable(self.cfg, dim) if self.fused is None else self.fused
+        if fused and not keys.is_cuda and not interpreting():
+            raise ValueError("fused=True runs Triton kernels: the model must be on a GPU (or TRITON_INTERPRET=1 set)")
         eviction = None if self.eviction is None else tuple(t.detach().float() for t in self.eviction)  # scores in fp32, as the torch decoder
         dec = SlotDecoder(self.cfg, batch=batch, kv_heads=kv_heads, group=self.group, dim=dim, capacity=capacity, dtype=keys.dtype,
                           device=keys.device, eviction=eviction, seed=self.seed, fused=fused,
