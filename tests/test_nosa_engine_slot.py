@@ -149,3 +149,13 @@ def test_decoder_choice_and_bad_input():
         with pytest.raises(ValueError, match=f"decoder 'slot' serves proxies trained, vnorm, random, not '{proxy}'"):
             enable_nosa(model, cfg=make_config(128, 0.25, 32, proxy), decoder="slot")
     assert model.config._attn_implementation == before and not any(hasattr(m, "_sparsesearch_nosa_engine") for m in model.modules())
+
+
+def test_fused_step_off_a_gpu_needs_the_interpreter(monkeypatch):
+    """fused=True on a CPU model without TRITON_INTERPRET=1 would hand host tensors to compiled Triton
+    launches: refused at prefill with one line instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_llama(layers=1)
+    with pytest.raises(ValueError, match=r"fused=True runs Triton kernels: the model must be on a GPU \(or TRITON_INTERPRET=1 set\)"):
+        generate(model, make_config(128, 0.25, 32, "vnorm"), "slot", fused=True)
+    assert not any(hasattr(m, "_sparsesearch_nosa_engine") for m in model.modules())  # generate()'s finally detached it
