@@ -5,7 +5,9 @@ sequences, dense runs EB · M_nosa / M_dense of them, M = GPU KV bytes per seque
 Each decode step runs the whole stack: RMSNorm, QKV projection, attention, O projection, SwiGLU MLP, final
 norm and LM head, with random bf16 weights of the named shape. Dense attention is SDPA over a GPU KV cache
 of ``context`` tokens (the new token written into it each step); NOSA attention is SlotDecoder.step: append
-to pinned host memory through UVA, selection, the fetch of missed blocks through UVA, SDPA over the slots.
+to pinned host memory through UVA, selection and slot map, then the Triton slot attention that reads the
+missed blocks from pinned memory itself (``--attention sdpa``: UVA gathers, then masked SDPA over the slots;
+``--torch-select``: the torch selection path).
 Both steps are captured in CUDA graphs (NOSA: one graph for a step inside a block, one for a step that
 starts a block), so the times are the GPU's, not Python's; ``--eager`` times the same code uncaptured.
 
