@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.rows import emit, write_jsonl
 from benchmarks.timing import cuda_clock, interleaved_ms, l2_flush
+from sparsesearch.kernels._common import group_rows
 from sparsesearch.kernels.nosa_attend import AttendScratch, default_splits, slot_attend
 
 
@@ -72,7 +73,7 @@ def measure(batch: int, args, settings) -> list[dict]:
     qg = st["q"].view(batch, kv_heads, group, dim)
 
     def kernel(splits, warps, stages):
-        scratch = AttendScratch(pairs, splits, max(16, triton_pow2(group)), dim, "cuda")
+        scratch = AttendScratch(pairs, splits, group_rows(group), dim, "cuda")
         fetch = st["fetch_from"].clone()
         return lambda: slot_attend(st["q"], st["slots_k"], st["slots_v"], st["keys_host"], st["values_host"], st["slot_map"], fetch,
                                    st["scores"], st["lengths"], scratch, block=block, scale=scale, bias=True, num_warps=warps, num_stages=stages)
@@ -108,10 +109,6 @@ def measure(batch: int, args, settings) -> list[dict]:
                                   vs_sdpa_unmasked=round(t.ms[2] / ms, 3)))
     rows[0] |= dict(splits=splits, num_warps=warps, num_stages=stages, max_abs_err_vs_fp32=round(err, 5), default_splits=default_splits(pairs, k + 1, torch.device("cuda")))
     return rows
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main(argv=None) -> int:

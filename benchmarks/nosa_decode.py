@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.rows import emit, write_jsonl
 from sparsesearch.nosa.config import make_config
+from sparsesearch.kernels._common import group_rows
 from sparsesearch.kernels.nosa_attend import default_splits
 from sparsesearch.nosa.device import SlotDecoder
 
@@ -114,8 +115,7 @@ def nosa_bytes(shape: Shape, cfg, context: int, fused: bool = True, splits: int 
     h, d = shape.kv_heads, shape.dim
     per_layer = h * (2 * (cfg.k + 1) * cfg.block * d * 2 + (cap // cfg.stride) * d * 2 + cap * 4 + cfg.kernel * d * 2 + (cap // cfg.block) * 4 + cfg.k * 8)
     sliding = 2 * h * d * 2 * min(context, shape.window)
-    group_pad = max(16, 1 << (shape.heads // shape.kv_heads - 1).bit_length())
-    partials = h * splits * group_pad * (d + 2) * 4  # kernels/nosa_attend.py AttendScratch
+    partials = h * splits * group_rows(shape.heads // shape.kv_heads) * (d + 2) * 4  # kernels/nosa_attend.py AttendScratch
     return sum(per_layer if shape.is_global(i) else sliding for i in range(shape.layers)) + (select_scratch_bytes(shape, cfg, cap) if fused else 0) + partials
 
 
@@ -124,7 +124,7 @@ def select_scratch_bytes(shape: Shape, cfg, cap: int) -> int:
     layers: padded-group logits and unit probabilities (float32 per unit), two float32 keys and two int8
     flags per block, free slots, the mask and two fetch lists."""
     units, blocks = cap // cfg.stride, cap // cfg.block
-    group_pad = max(16, 1 << (shape.heads // shape.kv_heads - 1).bit_length())
+    group_pad = group_rows(shape.heads // shape.kv_heads)
     return shape.kv_heads * ((group_pad + 1) * units * 4 + blocks * 10 + cfg.k * 4 + (cfg.k + 1) * cfg.block * 2 + 2 * 2 * cfg.k * 8)
 
 

@@ -6,6 +6,8 @@ TRITON_INTERPRET=1) on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -199,6 +201,27 @@ def dot_f32(dtype: torch.dtype) -> bool:
 
 def block_d(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)
+
+
+DEFAULT_SMS = 132  # H100 SXM; used to size splits when no CUDA device is visible
+
+
+@functools.cache
+def sm_count(index: int = 0) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (DEFAULT_SMS without a GPU); read once per device."""
+    return torch.cuda.get_device_properties(index).multi_processor_count if torch.cuda.is_available() else DEFAULT_SMS
+
+
+def fill_splits(programs: int, most: int, sms: int) -> int:
+    """Splits of each program's work so that programs x splits give every SM about two programs (a small
+    launch would leave most SMs idle), at least 1 and at most ``most``."""
+    return max(1, min(most, math.ceil(2 * sms / max(1, programs))))
+
+
+def group_rows(group: int) -> int:
+    """Rows a GQA group's query heads take in a ``tl.dot`` tile: the next power of two, at least 16 (the
+    smallest tile side)."""
+    return max(16, triton.next_power_of_2(group))
 
 
 @dataclass(frozen=True)

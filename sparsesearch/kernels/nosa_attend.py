@@ -21,13 +21,11 @@ CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E, dot_f32
+from ._common import LOG2E, dot_f32, fill_splits, group_rows, sm_count
 
 NUM_WARPS = 4  # launch settings of the slot attention (benchmarks/nosa_attend.py sweeps them)
 NUM_STAGES = 2
@@ -126,18 +124,12 @@ def _merge_kernel(part_acc, part_ml, out, n_splits, G: tl.constexpr, GP: tl.cons
     tl.store(out + ((pid.to(tl.int64) * G + g) * D)[:, None] + d[None, :], res.to(out.dtype.element_ty), mask=g[:, None] < G)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def default_splits(pairs: int, slots: int, device: torch.device) -> int:
     """Splits along the slots so that pairs x splits programs fill the GPU about twice (a small batch
     would otherwise leave most SMs idle); 1 where the pairs alone do, or on a CPU."""
     if device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(slots, -(-2 * sms // pairs)))
+    return fill_splits(pairs, slots, sm_count(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 class AttendScratch:
@@ -164,7 +156,7 @@ def slot_attend(q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, k
     kv_heads, k = slot_map.shape[1], slot_map.shape[2]
     group = q_heads // kv_heads
     pairs = batch * kv_heads
-    gp = max(16, triton.next_power_of_2(group))
+    gp = group_rows(group)
     if scratch.acc.shape[0] != pairs or scratch.acc.shape[2:] != (gp, dim):
         raise ValueError(f"attention scratch made for {tuple(scratch.acc.shape)}, the step needs pairs {pairs}, rows {gp}, head_dim {dim}")
     splits = scratch.splits

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import group_rows
+
 BLOCK_UNITS = 64  # compressed keys per phase-1 tile
 BLOCK_BLOCKS = 64  # blocks per block-score program
 SELECT_WARPS = 8  # the top-k program's warps: its 64 bisection steps are reductions over the block row (H200, 32K, batch 16: 2 warps 47 µs, 4 21, 8 15, 16 17)
@@ -239,7 +241,7 @@ class SelectScratch:
     step's launches keep static addresses (CUDA graphs). pairs = B · Hkv."""
 
     def __init__(self, pairs: int, group: int, n_units: int, n_blocks: int, k: int, block: int, dtype: torch.dtype, device):
-        gp = max(16, triton.next_power_of_2(group))  # tl.dot's smallest tile side
+        gp = group_rows(group)
         f32 = dict(dtype=torch.float32, device=device)
         self.logits = torch.empty(pairs, gp, max(n_units, 1), **f32)
         self.stats = torch.empty(pairs, triton.cdiv(max(n_units, 1), BLOCK_UNITS), gp, 2, **f32)  # per chunk and head: max, sum of exp
@@ -256,7 +258,7 @@ class SelectScratch:
     def fits(self, pairs: int, group: int, n_units: int, n_blocks: int, k: int, block: int, dtype: torch.dtype) -> bool:
         """Whether a decoder of this shape can use these buffers."""
         return (self.logits.shape[::2] == (pairs, max(n_units, 1)) and self.sel.shape == (pairs, n_blocks) and self.free_slot.shape[1] == k
-                and self.mask.shape[1] == (k + 1) * block and self.mask.dtype == dtype and self.group_pad == max(16, triton.next_power_of_2(group)))
+                and self.mask.shape[1] == (k + 1) * block and self.mask.dtype == dtype and self.group_pad == group_rows(group))
 
     def fetch_lists(self, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) int64 [pairs · ranks]: one pair of buffers per fetch-list length, kept for graphs."""

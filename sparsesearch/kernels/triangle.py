@@ -19,10 +19,9 @@ import triton.language as tl
 
 from ..index import BlockIndex
 from ..merge import merge_partials
-from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, interpreting, load_kv_tile, online_update
+from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, fill_splits, interpreting, load_kv_tile, online_update, sm_count
 from .block_sparse import block_sparse_attention
 
-DEFAULT_SMS = 132  # H100 SXM; used to size the split when no CUDA device is visible
 
 
 @triton.jit
@@ -102,9 +101,7 @@ def _tail_split_fwd(
 
 def _num_splits(kv_len: int, programs: int, tile_n: int) -> int:
     """Enough key splits to give every SM about two programs, each split at least one tile wide."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else DEFAULT_SMS
-    want = max(1, math.ceil(2 * sms / max(1, programs)))
-    return max(1, min(want, triton.cdiv(kv_len, tile_n)))
+    return fill_splits(programs, triton.cdiv(kv_len, tile_n), sm_count(0))
 
 
 def tail_attention(

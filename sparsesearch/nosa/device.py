@@ -67,12 +67,13 @@ class SlotDecoder:
     layer dominated a step; attention: ``triton`` (the fused step's default: kernels/nosa_attend.py, which
     fetches the missed blocks inside the attention) or ``sdpa`` (UVA gathers, then masked SDPA; the torch
     path's only choice); scratch / attend_scratch: the fused kernels' buffers, which layers run one after
-    another may share (a step's selection is consumed within the layer's step)."""
+    another may share (a step's selection is consumed within the layer's step); scale: the attention's
+    logit scale (default head_dim ** -0.5; a model's own, e.g. Gemma's query_pre_attn_scalar)."""
 
     def __init__(self, cfg: NosaConfig, *, batch: int, kv_heads: int, group: int, dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str, eviction=None, seed: int = 0, host=None,
                  fused: bool | None = None, attention: str | None = None, scratch: SelectScratch | None = None,
-                 attend_scratch: AttendScratch | None = None):
+                 attend_scratch: AttendScratch | None = None, scale: float | None = None):
         if cfg.proxy not in DEVICE_PROXIES:
             raise ValueError(f"proxy {cfg.proxy!r} needs the full history at each refresh; the sync-free decoder serves {', '.join(DEVICE_PROXIES)}")
         if cfg.proxy == "trained" and eviction is None:
@@ -102,11 +103,10 @@ class SlotDecoder:
         self.counters = torch.zeros(2, dtype=torch.long, device=device)
         self.fetched = self.counters[0]  # blocks moved host -> device
         self.dropped = self.counters[1]  # misses beyond the fetch list (must stay 0)
-        self.scale = dim ** -0.5
+        self.scale = dim ** -0.5 if scale is None else scale
         self.backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a masked call: no flash
-        pairs = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1)
-        self._src_row0 = pairs * self.n_blocks  # first host block row of each (sequence, KV head)
-        self._dst_row0 = pairs * (cfg.k + 1)  # first slot row of each (sequence, KV head)
+        self._pairs = torch.arange(batch * kv_heads, device=device).view(batch, kv_heads, 1)
+        self._dst_row0 = self._pairs * (cfg.k + 1)  # first slot row of each (sequence, KV head)
         self.fused = device.type == "cuda" if fused is None else fused
         if self.fused:
             self._use_scratch(scratch)
@@ -146,9 +146,13 @@ class SlotDecoder:
         self.scores = F.pad(self.scores, (0, capacity - old))
         self.units = F.pad(self.units, (0, 0, 0, unit_count(capacity, self.cfg.kernel, self.cfg.stride) - m_old))
         self.se = F.pad(self.se, (0, self.n_blocks - old // bs), value=NEG)
-        self._src_row0 = torch.arange(self.batch * self.kv_heads, device=self.se.device).view(self.batch, self.kv_heads, 1) * self.n_blocks
         if self.fused:
             self._use_scratch(scratch)
+
+    @property
+    def _src_row0(self) -> torch.Tensor:
+        """long [B, Hkv, 1]: the first host block row of each (sequence, KV head) at the current capacity."""
+        return self._pairs * self.n_blocks
 
     # ------------------------------------------------------------------------------------------ prefill
 
@@ -212,9 +216,10 @@ class SlotDecoder:
         ranks = self.cfg.k if boundary_any or self.cold else self.cfg.k_q
         self.cold = False
         if self.fused:
+            q = q.contiguous()  # both kernels address q as [B·Hq, D] rows
             self.fused_select(q, ranks)
             if self.attention == "triton":
-                return slot_attend(q.contiguous(), self.slots_k, self.slots_v, self.keys_host, self.values_host, self.slot_map,
+                return slot_attend(q, self.slots_k, self.slots_v, self.keys_host, self.values_host, self.slot_map,
                                    self.scratch.fetch_from, self.scores, self.lengths, self.attend_scratch, block=self.cfg.block,
                                    scale=self.scale, bias=self.cfg.proxy == "trained")
             return self.attend(q, self.scratch.mask.view(self.batch, self.kv_heads, 1, -1))
@@ -228,10 +233,11 @@ class SlotDecoder:
         return self.scratch.sel.view(self.batch, self.kv_heads, -1).bool() if self.fused else self._selected
 
     def fused_select(self, q: torch.Tensor, ranks: int) -> None:
-        """Selection and slot map (kernels/nosa_select.py). For SDPA attention also the two UVA gathers of its
-        fetch list and the attention mask (left in scratch.mask); the Triton attention fetches by itself."""
+        """Selection and slot map (kernels/nosa_select.py) for the step's contiguous q [B, Hq, D]. For SDPA
+        attention also the two UVA gathers of its fetch list and the attention mask (left in scratch.mask);
+        the Triton attention fetches by itself."""
         cfg, bs, dim = self.cfg, self.cfg.block, self.dim
-        src, dst = select_and_map(self.units, q.contiguous(), self.lengths, self.se, self.scores, self.slot_map, self.counters, self.scratch,
+        src, dst = select_and_map(self.units, q, self.lengths, self.se, self.scores, self.slot_map, self.counters, self.scratch,
                                   block=bs, k=cfg.k, k_q=cfg.k_q, n_init=cfg.n_init, n_win=cfg.n_win, kernel=cfg.kernel,
                                   stride=cfg.stride, ranks=min(ranks, self.n_blocks), scale=self.scale, bias=cfg.proxy == "trained",
                                   mask=self.attention == "sdpa")

@@ -501,8 +501,8 @@ class SlotLayer(DecodeLayer):
         dec = SlotDecoder(self.cfg, batch=batch, kv_heads=kv_heads, group=self.group, dim=dim, capacity=capacity, dtype=keys.dtype,
                           device=keys.device, eviction=eviction, seed=self.seed, fused=fused,
                           scratch=self.shared.get(("select", _whole_blocks(capacity, self.cfg.block))) if fused else None,
-                          attend_scratch=self.shared.get("attend") if fused else None)
-        dec.scale = scale  # the model's own scaling (Gemma's query_pre_attn_scalar), not dim ** -0.5
+                          attend_scratch=self.shared.get("attend") if fused else None,
+                          scale=scale)  # the model's own scaling (Gemma's query_pre_attn_scalar), not dim ** -0.5
         self._share(dec)
         dec.prefill(right_aligned(keys, starts), right_aligned(values, starts), lengths)
         self.decoder = dec

@@ -196,12 +196,12 @@ class MeasuredCost:
             if key in self._cache:
                 return torch.full((heads,), self._cache[key] / heads, dtype=torch.float64)
         features = launch_features(index)
-        family = f"{name}|{pattern}|{q.shape[1]}x{q.shape[-1]}|{q.dtype}|{getattr(index, 'block_m', 0)}x{getattr(index, 'block_n', 0)}"
-        kernel_ms = None if features is None or not self.interpolate else self.table.predict(family, features)
+        family = None if features is None else f"{name}|{pattern}|{q.shape[1]}x{q.shape[-1]}|{q.dtype}|{index.block_m}x{index.block_n}"
+        kernel_ms = self.table.predict(family, features) if family is not None and self.interpolate else None
         if kernel_ms is None:
             kernel_ms = self._time(run)
             self.timed += 1
-            if features is not None:
+            if family is not None:
                 self.table.add(family, features, kernel_ms)
                 self._dirty = True
         else:
