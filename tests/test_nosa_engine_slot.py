@@ -23,9 +23,9 @@ def with_eviction_heads(model):
     g = torch.Generator().manual_seed(11)
     for layer in model.model.layers:
         attn = layer.self_attn
-        kv, dim = model.config.num_key_value_heads, attn.head_dim
-        attn.register_buffer("eviction_w", torch.randn(kv, dim, generator=g) / dim**0.5)
-        attn.register_buffer("eviction_a", torch.rand(kv, generator=g) + 0.5)
+        kv, dim, device = model.config.num_key_value_heads, attn.head_dim, attn.q_proj.weight.device
+        attn.register_buffer("eviction_w", (torch.randn(kv, dim, generator=g) / dim**0.5).to(device))
+        attn.register_buffer("eviction_a", (torch.rand(kv, generator=g) + 0.5).to(device))
     return model
 
 
