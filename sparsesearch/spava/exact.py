@@ -13,6 +13,8 @@ The fallback also serves sliding-window layers (window=), exactly.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -109,18 +111,64 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch
     return out.to(q.dtype)
 
 
-def torch_cp_support(device: torch.device, group=None) -> str | None:
-    """None when torch's context_parallel runs causal SDPA on this device and group, else the reason it does not."""
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
+def _cp_mesh(device: torch.device, group=None):
+    """A one-dimensional DeviceMesh over `group` (the world by default): torch CP on our own process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+
+
+@contextmanager
+def torch_context_parallel(n: int, device: torch.device, group=None):
+    """Run the body under torch's ``context_parallel`` for one prompt of n tokens (n divisible by 2W).
+
+    Yields this rank's global positions long [N_r]: torch's own load-balanced (head-tail) shard of 0..n-1,
+    which the model's input ids and position ids are indexed by. Inside, every causal SDPA call is torch's
+    ring attention over the group.
+    """
     from torch.distributed.tensor.experimental import context_parallel
 
+    pos = torch.arange(n, device=device)[None]
+    with context_parallel(_cp_mesh(device, group), buffers=[pos], buffer_seq_dims=[1], no_restore_buffers={pos}):
+        yield pos[0]
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the local shard under torch CP: q [B, Hq, N_r, D], k/v [B, Hkv, N_r, D] -> [B, Hq, N_r, D].
+
+    K/V heads are repeated for GQA: torch's ring handlers take the flash / efficient / cuDNN kernels,
+    not all of which accept enable_gqa (the ring then passes Hq heads of K/V instead of Hkv).
+    """
+    import torch.nn.functional as F
+
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def torch_cp_support(device: torch.device, group=None) -> str | None:
+    """None when torch's context_parallel runs causal SDPA on this device and group, else the reason it does not."""
     world = dist.get_world_size(group)
     try:
-        mesh = init_device_mesh(device.type, (world,))
-        t = [torch.randn(1, 1, 8 * world, 16, device=device) for _ in range(3)]
-        with context_parallel(mesh, buffers=t, buffer_seq_dims=[2, 2, 2]):
-            F.scaled_dot_product_attention(*t, is_causal=True)
+        n = 16 * world
+        t = [torch.randn(1, 2, n, 16, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32) for _ in range(3)]
+        want = cp_attention(*t, 0.25)
+        with torch_context_parallel(n, device, group) as pos:
+            got = cp_attention(*(x[:, :, pos] for x in t), 0.25)
+        if not torch.allclose(got.float(), want[:, :, pos].float(), atol=2e-2):
+            return "context_parallel's causal SDPA disagrees with dense SDPA"
         return None
-    except (NotImplementedError, RuntimeError, AssertionError) as exc:
+    except (NotImplementedError, RuntimeError, AssertionError, ValueError) as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def exact_engine(cp_reason: str | None, n: int, world: int, sliding: bool) -> tuple[str, str | None]:
+    """Which exact baseline runs a prompt of n tokens: ("torch-cp", None) or ("zigzag-ring", why not torch CP)."""
+    if cp_reason is not None:
+        return "zigzag-ring", cp_reason
+    if sliding:
+        return "zigzag-ring", "torch context_parallel has no sliding-window attention (hybrid model)"
+    if n % (2 * world):
+        return "zigzag-ring", f"torch context_parallel needs the length divisible by 2W = {2 * world}; got {n}"
+    return "torch-cp", None

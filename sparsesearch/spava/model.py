@@ -6,8 +6,10 @@ the rank's global positions, the process group — live in one ``RankContext`` t
 every attention module of the text model (the way runtime/hf.py hands its Runner over) and
 ``detach`` removes.
 
-Modes: "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query])
-and "ring" (exact zigzag ring attention over the zigzag sharding, exact.py). A hybrid model's
+Modes: "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query]),
+"ring" (exact zigzag ring attention over the zigzag sharding, exact.py) and "torch_cp" (exact: torch's own
+context parallelism — the forward runs inside ``exact.torch_context_parallel``, which shards the positions,
+and each layer calls causal SDPA, which torch turns into its ring attention). A hybrid model's
 sliding-window layers run exactly in both modes: under SPAVA each rank all-gathers the last `window`
 keys of every virtual host's block (a halo), enough for every local row's window (sliding.py).
 """
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .attention import spava_attention
-from .exact import ring_attention, zigzag_positions
+from .exact import cp_attention, ring_attention, zigzag_positions
 from .layout import Layout
 
 ATTN_NAME = "sparsesearch_spava"
@@ -45,6 +47,11 @@ class RankContext:
         return cls("spava", layout.n, torch.tensor(layout.local_positions(rank)), layout, group)
 
     @classmethod
+    def torch_cp(cls, n: int, pos: torch.Tensor, group=None) -> "RankContext":
+        """pos: the shard that exact.torch_context_parallel yields (torch's load-balanced layout)."""
+        return cls("torch_cp", n, pos, None, group)
+
+    @classmethod
     def ring(cls, n: int, rank: int, world: int, group=None) -> "RankContext":
         return cls("ring", n, torch.tensor(zigzag_positions(n, world, rank)), None, group)
 
@@ -58,7 +65,11 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
     if ctx.kept is not None:  # the local KV a decode needs; references, no copy (the layer made them)
         ctx.kept[module.layer_idx] = (key, value)
     start = time.perf_counter()
-    if ctx.mode == "ring":
+    if ctx.mode == "torch_cp":
+        if window is not None:
+            raise ValueError("torch context_parallel has no sliding-window attention; run the zigzag ring (exact_engine)")
+        out = cp_attention(query, key, value, scale)
+    elif ctx.mode == "ring":
         out = ring_attention(query, key, value, ctx.pos.to(query.device), ctx.n, scale, ctx.group, window=window, stats=ctx.stats)
     elif window is not None:
         from .sliding import sliding_attention
@@ -68,6 +79,11 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
         out = spava_attention(query, key, value, ctx.layout, rank, scale, ctx.group, stats=ctx.stats)
     ctx.stats["attention_s"] = ctx.stats.get("attention_s", 0.0) + time.perf_counter() - start
     return out.transpose(1, 2), None
+
+
+def has_sliding_layers(model) -> bool:
+    """Whether any attention module of the model is a sliding-window layer (a hybrid such as Gemma 3)."""
+    return any(getattr(m, "sliding_window", None) is not None for m in model.modules() if hasattr(m, "layer_idx"))
 
 
 def _no_mask(*args, **kwargs):

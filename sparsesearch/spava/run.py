@@ -136,6 +136,39 @@ def _timed(fn, group):
     return res, mine, float(slowest)
 
 
+def exact_logits(model, ids: torch.Tensor, engine: str, tail: int, rank: int, world: int, device):
+    """The exact baseline's tail logits fp32 [B, tail, V] on every rank -> (logits, its RankContext, seconds of the slowest rank).
+
+    engine "torch-cp": the forward runs inside torch's context_parallel on torch's own sharding; "zigzag-ring":
+    our ring over the zigzag sharding. Timed the same way as SPAVA (barrier, then the slowest rank).
+    """
+    from .exact import torch_context_parallel
+
+    n = ids.shape[1]
+    if engine == "zigzag-ring":
+        ctx = RankContext.ring(n, rank, world)
+        logits, _, t = _timed(lambda: tail_logits(model, ids, ctx, tail, owner=True), None)
+        return logits, ctx, t
+
+    def run():
+        with torch_context_parallel(n, device) as pos:
+            ctx = RankContext.torch_cp(n, pos)
+            return tail_logits(model, ids, ctx, tail, owner=True), ctx
+
+    (logits, ctx), _, t = _timed(run, None)
+    ctx.stats["bytes_sent"] = cp_bytes_sent(model.config, ids.shape[0], len(ctx.pos), world, next(model.parameters()).element_size())
+    return logits, ctx, t
+
+
+def cp_bytes_sent(config, batch: int, local: int, world: int, elt: int) -> int:
+    """Bytes one rank sends over torch CP's causal ring for one prefill, counted from the shapes (torch's ring
+    reports none): every layer, this rank's K and V shards ([B, Hq, N_r, D], heads repeated for GQA by
+    exact.cp_attention) go to each of the W-1 other ranks, whichever rotate method runs."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_layer = 2 * batch * config.num_attention_heads * local * head_dim * elt
+    return config.num_hidden_layers * (world - 1) * per_layer
+
+
 def _max_over_ranks(x: float, group) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -145,17 +178,19 @@ def _max_over_ranks(x: float, group) -> float:
 def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
     """Run the launch on this rank (the process group is initialised here). Rank 0 writes the rows."""
     from ..models import load_model
-    from .exact import torch_cp_support
+    from .exact import exact_engine, torch_cp_support
+    from .model import has_sliding_layers
     from .group import check_backend, init_group
 
     backend = check_backend(cfg.backend, cfg.nproc)
     rank, world, device = init_group(backend, cfg.timeout_s)
     try:
         model, tok, info = load_model(cfg.model, dtype=cfg.dtype, device=device.type)
-        # torch's context_parallel is probed and reported; the model path runs the zigzag ring either way
-        # (torch 2.13 has no CPU sharding rule for SDPA; the CP model path on GPUs is not written yet).
+        # torch's context_parallel is the exact baseline where it runs (probed once: torch 2.13 has no
+        # sharding rule for the CPU SDPA kernels); the zigzag ring on the same group where it does not
         cp_reason = torch_cp_support(device)
-        engine = "zigzag-ring"
+        sliding = has_sliding_layers(model)
+        engines = set()
         rows = []
         for n in cfg.tokens:
             ids, answer = build_prompt(cfg, tok, n)
@@ -163,8 +198,9 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
             n_real = ids.shape[1]
             warm = ids[:, : min(n_real, 256)]  # first-call costs (allocator, thread pools) out of the timings
             tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
-            ring_ctx = RankContext.ring(n_real, rank, world)
-            exact, t_exact_mine, t_exact = _timed(lambda: tail_logits(model, ids, ring_ctx, cfg.query, owner=True), None)
+            engine, why_not_cp = exact_engine(cp_reason, n_real, world, sliding)
+            engines.add(engine)
+            exact, ring_ctx, t_exact = exact_logits(model, ids, engine, cfg.query, rank, world, device)
             dense_tokens = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
             for lay in layouts(cfg, n_real):
                 ctx = RankContext.spava(lay, rank)
@@ -176,7 +212,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
                        "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
                        "bytes_sent_exact": int(_max_over_ranks(ring_ctx.stats.get("bytes_sent", 0), None)),
-                       "exact_engine": engine, "backend": backend, **quality(logits, exact, ids, answer)}
+                       "exact_engine": engine, "exact_engine_note": why_not_cp, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
                 if cfg.generate:
                     from .decode import decode_after_prefill
@@ -189,7 +225,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                     print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
         if rank == 0 and result_path:
             with open(result_path, "w") as f:
-                json.dump({"rows": rows, "exact_engine": engine, "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
+                json.dump({"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
         return rows
     finally:
         dist.destroy_process_group()
