@@ -110,3 +110,43 @@ def test_vlm_frame_parallel_two_processes(tmp_path):
     from tiny_vlm import make_tiny_llava
 
     spawn(_vlm_worker, 2, make_tiny_llava(tmp_path / "llava"), timeout_s=120)
+
+
+def _torch_cp_worker(rank, world, path):
+    """The exact baseline through torch's context_parallel equals the dense model and our zigzag ring."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsesearch.spava.exact import exact_engine, torch_cp_support
+    from sparsesearch.spava.run import exact_logits
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
+    reason = torch_cp_support(device)
+    assert reason is None, f"rank {rank}: torch context_parallel unusable on {device}: {reason}"
+    n, q = 64 * 2 * world, 9
+    assert exact_engine(reason, n, world, sliding=False) == ("torch-cp", None)
+    ids = torch.randint(0, 1000, (2, n), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits[:, -q:].float()
+    cp, ctx, _ = exact_logits(model, ids, "torch-cp", q, rank, world, device)
+    ring, _, _ = exact_logits(model, ids, "zigzag-ring", q, rank, world, device)
+    assert len(ctx.pos) == ctx.pos.unique().numel() == n // world  # torch's own shard of the positions
+    assert relative_error(cp, dense) < 2e-3, f"rank {rank}: torch CP vs dense {relative_error(cp, dense):.2e}"
+    assert relative_error(cp, ring) < 2e-3, f"rank {rank}: torch CP vs ring {relative_error(cp, ring):.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch context_parallel runs on CUDA (no CPU sharding rule)")
+def test_torch_cp_exact_baseline_on_gpu(tiny_llama):
+    spawn(_torch_cp_worker, min(torch.cuda.device_count(), 2), tiny_llama, backend="nccl")
+
+
+def test_exact_engine_falls_back_with_the_reason(one_process_group):
+    from sparsesearch.spava.exact import exact_engine, torch_cp_support
+
+    reason = torch_cp_support(torch.device("cpu"))
+    assert reason is not None  # no sharding rule for the CPU SDPA kernels in this torch
+    assert exact_engine(reason, 256, 1, sliding=False) == ("zigzag-ring", reason)
+    assert exact_engine(None, 256, 2, sliding=True)[0] == "zigzag-ring"
+    engine, why = exact_engine(None, 250, 2, sliding=False)
+    assert engine == "zigzag-ring" and "divisible by 2W = 4" in why
+    assert exact_engine(None, 256, 2, sliding=False) == ("torch-cp", None)
