@@ -91,6 +91,24 @@ def test_cost_table_refuses_a_fit_that_does_not_explain_its_points():
     assert table.predict("fam", _launch(550, 20, 1, 128)) is None
 
 
+def test_cost_table_prices_a_launch_it_measured_at_its_own_time():
+    """A warm cache: the same launch again costs no timing, with one point or beside points no line fits."""
+    from sparsesearch.search.cost import CostTable
+
+    table = CostTable()
+    f = _launch(550, 20, 1, 128)
+    table.add("fam", f, 0.40)
+    assert table.predict("fam", f) == 0.40
+    table.add("fam", f, 0.46)
+    table.add("fam", f, 0.41)
+    assert table.predict("fam", f) == 0.41  # the median of its measurements
+    for i in range(12):
+        g = _launch(100 * (i + 1), 10 * (i % 5), i % 3, 64 * (1 + i % 4))
+        table.add("fam", g, _line(g) * (3.0 if i == 5 else 1.0))
+    assert table.predict("fam", f) == 0.41 and table.predict("fam", _launch(551, 20, 1, 128)) is None
+    assert table.predict("other", f) is None
+
+
 def test_cost_table_points_persist_under_the_stamp_and_a_copy_loads(tmp_path):
     costs = MeasuredCost(cache_path=tmp_path / "costs.json")
     costs.table.add("H200|block_topk|32x128|torch.bfloat16|128x128", _launch(1, 2, 0, 4), 0.5)
