@@ -63,12 +63,17 @@ def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
     module = pattern(g.pattern)
     if not module.DYNAMIC:
         return static_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0], row_pos=row_pos)
-    group = q.shape[1] // k.shape[1]
-    q_ids = torch.tensor(query_heads(g.heads, space, group), device=q.device)
-    # kv space: the group's KV heads; query space: each query head's own KV head (estimates see pairs).
-    kv_ids = torch.tensor(g.heads, device=q.device) if space == "kv" else q_ids // group
+    q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)
+    q_ids, kv_ids = torch.tensor(q_ids, device=q.device), torch.tensor(kv_ids, device=q.device)
     return module.build_index(g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space,
                               block_m=g.block_m, block_n=g.block_n, **_frame(g.pattern, row_pos))
+
+
+def estimate_heads(g: HeadGroup, group: int, space: str) -> tuple[list[int], list[int]]:
+    """(query head ids, KV head ids) whose q/k slices a dynamic group's index is estimated from: in kv space
+    the group's KV heads; in query space each query head with its own KV head (estimates see pairs)."""
+    q_ids = query_heads(g.heads, space, group)
+    return q_ids, list(g.heads) if space == "kv" else [h // group for h in q_ids]
 
 
 def _frame(name: str, row_pos: torch.Tensor | None) -> dict:
@@ -95,15 +100,24 @@ def permuted_grid_index(g: HeadGroup, q_len: int, kv_len: int, space: str, devic
 
 class StaticIndexCache:
     """Static indices by (group, shape, head space, device): they depend on nothing else, so the calls of
-    one length share them. Bounded: past ``limit`` entries the oldest goes first."""
+    one length share them. Bounded: past ``limit`` entries the oldest goes first. Dynamic indices are
+    rebuilt per call, through CUDA-graph replays where ``graphed.usable`` (``graphs=False``: never)."""
 
-    def __init__(self, limit: int = CACHE_LIMIT):
+    def __init__(self, limit: int = CACHE_LIMIT, graphs: bool = True):
+        from .graphed import GraphedIndexCache
+
         self.limit = limit
         self._entries: dict[tuple, BlockIndex] = {}
+        self._graphs = GraphedIndexCache() if graphs else None
 
     def index(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
-        """``build_group_index`` (identity frame), cached when the pattern is static."""
+        """``build_group_index`` (identity frame), cached when the pattern is static; a dynamic one from a
+        graph replay when it may (valid until the group's next call: consume it first)."""
         if REGISTRY[g.pattern].DYNAMIC:
+            from .graphed import usable
+
+            if self._graphs is not None and usable(q, k):
+                return self._graphs.index(g, q, k, space, *estimate_heads(g, q.shape[1] // k.shape[1], space))
             return build_group_index(g, q, k, space)
         key = (g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
         if key not in self._entries:

@@ -133,14 +133,23 @@ def num_blocks(length: int, block: int) -> int:
     return (length + block - 1) // block
 
 
-def pack_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def list_width(count: torch.Tensor, bound: int | None) -> int:
+    """Width of packed id lists: the largest count (one device sync), or ``bound`` when given — an upper
+    bound known from the shapes, so the build has no sync and can be captured in a CUDA graph."""
+    if bound is not None:
+        return max(1, bound)
+    return max(1, int(count.max().item()) if count.numel() else 1)
+
+
+def pack_lists(mask: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn a boolean selection into (count, sorted ids) without a Python loop.
 
-    mask: bool [..., K] -> count int32 [...], ids int32 [..., max(1, max count)] ascending, 0-padded.
-    Used for block-level masks ([B, H, QB, KB]) and per-block column selections ([B, H, QB, N]).
+    mask: bool [..., K] -> count int32 [...], ids int32 [..., W] ascending, 0-padded; W = max(1, max count),
+    or ``width`` (>= every count: see ``list_width``). Used for block-level masks ([B, H, QB, KB]) and
+    per-block column selections ([B, H, QB, N]).
     """
     count = mask.sum(-1, dtype=torch.int32)
-    width = max(1, int(count.max().item()) if count.numel() else 1)
+    width = list_width(count, width)
     # Selected ids keep their own value, unselected get K (past every id); sorting puts the selection first.
     size = mask.shape[-1]
     ids = torch.arange(size, device=mask.device, dtype=torch.int32).expand(mask.shape)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..index import HEAD_SPACES, BlockIndex, num_blocks
+from ..index import HEAD_SPACES, BlockIndex, list_width, num_blocks
 
 # ---------------------------------------------------------------------------------------------- params
 
@@ -114,11 +114,12 @@ def full_block(kb: torch.Tensor, first_pos: torch.Tensor, kv_len: int, block_n: 
     return (top <= first_pos) & (top < kv_len)
 
 
-def pack_candidates(ids: torch.Tensor, valid: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_candidates(ids: torch.Tensor, valid: torch.Tensor, size: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted, de-duplicated (count, ids) from candidate ids without a Python loop.
 
     ids: int [..., C] (any order, repeats allowed) with valid bool [..., C]; every valid id lies in [0, size).
-    Returns count int32 [...] and ids int32 [..., max(1, max count)], ascending, 0-padded (as ``pack_lists``).
+    Returns count int32 [...] and ids int32 [..., W], ascending, 0-padded (as ``pack_lists``; ``width``
+    likewise: a bound W >= every count, for a sync-free build).
     """
     sentinel = torch.full_like(ids, size, dtype=torch.int64)
     keyed = torch.where(valid, ids.long(), sentinel).sort(dim=-1).values
@@ -126,7 +127,7 @@ def pack_candidates(ids: torch.Tensor, valid: torch.Tensor, size: int) -> tuple[
     repeat[..., 1:] = keyed[..., 1:] == keyed[..., :-1]
     keyed = torch.where(repeat, sentinel, keyed).sort(dim=-1).values
     count = (keyed < size).sum(-1, dtype=torch.int32)
-    width = max(1, int(count.max().item()) if count.numel() else 1)
+    width = list_width(count, width)
     kept = keyed[..., :width]
     kept = torch.where(kept >= size, torch.zeros_like(kept), kept)
     return count, kept.to(torch.int32).contiguous()
@@ -146,13 +147,15 @@ def index_from_candidates(
     col_count: torch.Tensor | None = None,
     col_idx: torch.Tensor | None = None,
     meta: dict | None = None,
+    width: int | None = None,
 ) -> BlockIndex:
     """Split candidate key blocks [B, H, QB, C] into the full and partial lists of a BlockIndex.
 
     ``is_full`` must be a function of (query block, key block) only, so repeats of one id agree.
+    width: a bound on the blocks per list (``pack_candidates``), for a sync-free build.
     """
-    full_count, full_idx = pack_candidates(ids, valid & is_full, kv_blocks)
-    partial_count, partial_idx = pack_candidates(ids, valid & ~is_full, kv_blocks)
+    full_count, full_idx = pack_candidates(ids, valid & is_full, kv_blocks, width)
+    partial_count, partial_idx = pack_candidates(ids, valid & ~is_full, kv_blocks, width)
     return BlockIndex(
         full_count, full_idx, partial_count, partial_idx, block_m, block_n, head_space,
         col_count, col_idx, window, sink, meta=dict(meta or {}),

@@ -127,8 +127,10 @@ def select(
     return BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space, row_pos)
 
 
-def index_from_selection(selection: BlockSelection) -> BlockIndex:
-    """BlockIndex of a selection (window off): full when wholly causal and in range, partial otherwise."""
+def index_from_selection(selection: BlockSelection, static_widths: bool = False) -> BlockIndex:
+    """BlockIndex of a selection (window off): full when wholly causal and in range, partial otherwise.
+    static_widths: lists as wide as the key blocks instead of the largest count (no device sync: the
+    build can be captured in a CUDA graph, execute.GraphedIndexCache)."""
     s = selection
     first, _ = query_block_bounds(s.q_len, s.kv_len, s.block_m, s.blocks.device, s.row_pos)
     kv_blocks = s.blocks.shape[-1]
@@ -136,7 +138,7 @@ def index_from_selection(selection: BlockSelection) -> BlockIndex:
     is_full = full_block(kb[None, :], first[:, None], s.kv_len, s.block_n)
     return index_from_candidates(
         kb.expand_as(s.blocks), s.blocks, is_full.expand_as(s.blocks), kv_blocks, s.block_m, s.block_n,
-        head_space=s.head_space, meta={"pattern": NAME, "selection": s},
+        head_space=s.head_space, meta={"pattern": NAME, "selection": s}, width=kv_blocks if static_widths else None,
     )
 
 
@@ -149,9 +151,12 @@ def build_index(
     block_m: int = 64,
     block_n: int = 64,
     row_pos: torch.Tensor | None = None,
+    static_widths: bool = False,
 ) -> BlockIndex:
-    """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``)."""
-    return index_from_selection(select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n, row_pos=row_pos))
+    """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``).
+    static_widths: no device sync (``index_from_selection``)."""
+    selection = select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n, row_pos=row_pos)
+    return index_from_selection(selection, static_widths)
 
 
 def predicate(params: BlockTopKParams, selection: BlockSelection, group: int = 1):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, num_blocks, pack_lists
+from ..index import BlockIndex, list_width, num_blocks, pack_lists
 from ._common import (
     ascii_blocks, ascii_mask, causal_entries, check_int, check_lengths, full_block,
     check_frame, index_entries, last_q_sums, query_block_bounds, top_ids,
@@ -115,13 +115,15 @@ def estimate(
     return VSLines(vertical, slash, q_len, kv_len, head_space, row_pos)
 
 
-def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) -> BlockIndex:
+def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, static_widths: bool = False) -> BlockIndex:
     """Block cover of the slash lines plus gathered vertical columns (see the module docstring).
 
     A key block kb (keys [k0, k1]) meets a slash offset d in query block m (rows at positions [p0, p1]) iff
     d lies in [max(p0 - k1, 0), p1 - k0]; a prefix count of the selected offsets answers that for every
     (m, kb) at once. Working memory: a few bytes per (B, H, QB, KB) block pair plus the per-block
-    vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines.
+    vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines. static_widths: lists as wide
+    as the key blocks and the verticals instead of the largest counts (no device sync: the build can be
+    captured in a CUDA graph, execute.GraphedIndexCache).
     """
     q_len, kv_len = lines.q_len, check_frame(lines.q_len, lines.kv_len, lines.row_pos)
     device = lines.slash.device
@@ -139,8 +141,9 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) ->
     reach = k0 <= p1
     touched = (below[..., hi + 1] > below[..., torch.clamp(lo, max=kv_len)]) & reach  # [B, H, QB, KB]
     is_full = full_block(k0 // block_n, p0, kv_len, block_n)
-    full_count, full_idx = pack_lists(touched & is_full)
-    partial_count, partial_idx = pack_lists(touched & ~is_full)
+    bound = kv_blocks if static_widths else None
+    full_count, full_idx = pack_lists(touched & is_full, bound)
+    partial_count, partial_idx = pack_lists(touched & ~is_full, bound)
     # Verticals: causal for the block's last row and not inside a touched block -> gathered columns.
     q_blocks = p0.shape[0]
     vertical = lines.vertical[:, :, None, :].expand(batch, heads, q_blocks, -1)
@@ -148,8 +151,7 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64) ->
     keep = (vertical <= p1) & ~covered
     keyed = torch.where(keep, vertical.to(torch.int32), kv_len).sort(-1).values
     col_count = keep.sum(-1, dtype=torch.int32)
-    width = max(1, int(col_count.max().item()) if col_count.numel() else 1)
-    col_idx = keyed[..., :width]
+    col_idx = keyed[..., : list_width(col_count, vertical.shape[-1] if static_widths else None)]
     col_idx = torch.where(col_idx >= kv_len, 0, col_idx).contiguous()
     return BlockIndex(
         full_count, full_idx, partial_count, partial_idx, block_m, block_n, lines.head_space,
@@ -167,10 +169,11 @@ def build_index(
     block_n: int = 64,
     scale: float | None = None,
     row_pos: torch.Tensor | None = None,
+    static_widths: bool = False,
 ) -> BlockIndex:
-    """estimate + index_from_lines."""
+    """estimate + index_from_lines (static_widths: no device sync, see there)."""
     lines = estimate(params, q, k, head_space=head_space, scale=scale, row_pos=row_pos)
-    return index_from_lines(lines, block_m=block_m, block_n=block_n)
+    return index_from_lines(lines, block_m=block_m, block_n=block_n, static_widths=static_widths)
 
 
 def predicate(params: VerticalSlashParams, lines: VSLines, group: int = 1):

@@ -1,0 +1,93 @@
+"""Dynamic index builds replayed from CUDA graphs: what makes them cheap at short lengths.
+
+A vertical-slash or block top-k index is estimated from q/k on every call, in about eighty small torch
+launches plus device syncs (the packed lists are as wide as their largest count). At 8K tokens that costs
+1.1–2.5 ms on an H200 against 0.93 ms for the whole of SDPA (benchmarks/RESULTS.md, Run 5), so below ~16K
+index + kernel lost to dense on launch overhead alone. Here each (pattern, params, shapes, head space,
+device) is built once with ``static_widths`` (lists as wide as their bound, no sync), captured in a CUDA
+graph, and replayed: per call, two index_select launches into the graph's static inputs and one replay.
+
+The index a replay returns lives in the graph's static outputs: the next replay of the same entry
+overwrites it. The runtime consumes each index in the launch that follows on the same stream (one head
+group at a time), which stream order makes safe; a caller that keeps an index across calls must copy it.
+Graphs are used only on CUDA, in the identity frame (no region row_pos), up to ``MAX_TOKENS`` keys (the
+static lists grow with the square of the length, and beyond ~32K one build is no longer launch-bound), and
+never while another capture is running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .index import BlockIndex
+from .patterns.registry import pattern
+
+MAX_TOKENS = 32768  # longest key length built through a graph
+LIMIT = 32  # graphs kept per cache (each holds its own memory pool: intermediates of one build)
+
+
+@dataclass
+class _Entry:
+    """One captured build: static inputs q [B, Hq', N, D], k [B, Hkv', Nk, D] (the group's heads), the head
+    ids they are selected with, the graph and the index it writes."""
+
+    q_ids: torch.Tensor
+    kv_ids: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    index: BlockIndex
+
+
+def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a build on these tensors may go through a graph (see the module docstring)."""
+    return q.is_cuda and k.shape[2] <= MAX_TOKENS and not torch.cuda.is_current_stream_capturing()
+
+
+class GraphedIndexCache:
+    """Captured dynamic-index builds by (pattern, params, heads, block shape, head space, shapes, dtype,
+    device), bounded: past ``limit`` entries the oldest goes first."""
+
+    def __init__(self, limit: int = LIMIT):
+        self.limit = limit
+        self._entries: dict[tuple, _Entry] = {}
+
+    def index(self, g, q: torch.Tensor, k: torch.Tensor, space: str, q_ids: list[int], kv_ids: list[int]) -> BlockIndex:
+        """The group's index from q [B, Hq, N, D], k [B, Hkv, Nk, D]: q_ids / kv_ids are the head ids whose
+        slices it is estimated from (execute.build_group_index's choice). Valid until the next call with
+        the same key."""
+        key = (g.pattern, g.params, g.heads, g.block_m, g.block_n, space, tuple(q.shape), tuple(k.shape), q.dtype, q.device)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._capture(g, q, k, space, q_ids, kv_ids)
+            if len(self._entries) >= self.limit:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = entry
+        torch.index_select(q, 1, entry.q_ids, out=entry.q)
+        torch.index_select(k, 1, entry.kv_ids, out=entry.k)
+        entry.graph.replay()
+        return entry.index
+
+    @staticmethod
+    def _capture(g, q: torch.Tensor, k: torch.Tensor, space: str, q_ids: list[int], kv_ids: list[int]) -> _Entry:
+        module = pattern(g.pattern)
+        qi = torch.tensor(q_ids, device=q.device)
+        ki = torch.tensor(kv_ids, device=q.device)
+        sq, sk = q.index_select(1, qi), k.index_select(1, ki)
+
+        def build() -> BlockIndex:
+            return module.build_index(g.params, sq, sk, head_space=space, block_m=g.block_m, block_n=g.block_n, static_widths=True)
+
+        # Warm-up on a side stream (the pattern PyTorch's CUDA-graph notes give): lazy library handles and
+        # the allocator's first blocks come into being outside the capture.
+        side = torch.cuda.Stream(q.device)
+        side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(side):
+            build()
+        torch.cuda.current_stream(q.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            index = build()
+        return _Entry(qi, ki, sq, sk, graph, index)
