@@ -1,14 +1,22 @@
-"""Decoding after a distributed prefill (sparsesearch/spava/decode.py) on gloo: the assembled cache holds the
-prompt's n positions in order, and with l_p covering every context token (or the exact ring) greedy decoding
-equals greedy decoding by full forwards of the ordinary model. Every rank asserts."""
+"""Decoding after a distributed prefill (sparsesearch/spava/decode.py) on gloo.
+
+Two decoders: the paper's distributed decode (each rank attends the keys it owns, one all-gather of
+(out, lse) per layer, lse merge) and the gather path (the cache assembled on rank 0). With l_p covering
+every context token (or the exact ring) both equal greedy decoding by full forwards of the ordinary model;
+at small l_p both decode over the same approximate K/V, so their step logits agree to rounding. Every rank
+asserts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from sparsesearch.reference import relative_error
-from sparsesearch.spava.decode import dense_generate, owned_positions, spava_generate
+from sparsesearch.merge import merge_partials
+from sparsesearch.reference import masked_attention, relative_error
+from sparsesearch.spava import comm
+from sparsesearch.spava.decode import LocalKV, decode_attention, dense_generate, local_kv, owned_positions, spava_generate
+from sparsesearch.spava.exact import position_mask
 from sparsesearch.spava.group import spawn
 from sparsesearch.spava.layout import Layout
 from sparsesearch.spava.model import RankContext
@@ -16,6 +24,7 @@ from test_spava import one_process_group  # noqa: F401  (fixture: a gloo group o
 from tiny_model import make_tiny_gemma, make_tiny_model
 
 STEPS = 6
+LOGIT_TOL = 1e-4  # fp32 both ways; only the summation order of attention differs
 
 
 def _load(path):
@@ -26,14 +35,16 @@ def _load(path):
 
 def _reference(model, ids, steps=STEPS):
     """Greedy tokens by definition — each the argmax of a full forward over the prompt and the tokens before
-    it, no cache — and the dense prefill's cache. (model.generate is not the oracle: on the tiny Gemma 3 it
-    picked a token the full forward ranks second, by 0.025.)"""
+    it, no cache — their logits fp32 [B, steps - 1, V] at the decoded positions, and the dense prefill's cache.
+    (model.generate is not the oracle: on the tiny Gemma 3 it picked a token the full forward ranks second,
+    by 0.025.)"""
     seq = ids
     with torch.no_grad():
         for _ in range(steps):
             seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        logits = model(input_ids=seq[:, :-1]).logits[:, ids.shape[1] :].float()
         cache = model(input_ids=ids, use_cache=True).past_key_values
-    return seq[:, ids.shape[1]:], cache
+    return seq[:, ids.shape[1]:], logits, cache
 
 
 def _cache_in_order(cache, dense_cache, n, rank, layers, what):
@@ -46,6 +57,15 @@ def _cache_in_order(cache, dense_cache, n, rank, layers, what):
             assert relative_error(a, b) < 1e-4, f"rank {rank}: {what} layer {layer} {name} differ from dense"
 
 
+def _shards_partition(shards, n, steps, rank, world, what):
+    """Every rank's LocalKV holds only keys it owns, each prompt position on one rank, the generated ones on rank 0."""
+    got = [None] * world
+    dist.all_gather_object(got, {layer: s.pos[: s.length].tolist() for layer, s in shards.items()})
+    for layer in shards:
+        held = sorted(p for g in got for p in g[layer])
+        assert held == list(range(n + steps - 1)), f"rank {rank}: {what} layer {layer} holds {len(held)} keys over the ranks"
+
+
 def _decode_worker(rank, world, path):
     model = _load(path)
     n_layers = model.config.num_hidden_layers
@@ -53,25 +73,41 @@ def _decode_worker(rank, world, path):
     small = Layout(201, 7, world, 13, 5)
     prompt = torch.randint(0, 1000, (2, max(lay.n, small.n)), generator=torch.Generator().manual_seed(3))
     ids = prompt[:, : lay.n]
-    want, dense_cache = _reference(model, ids)
-    for what, ctx in (("spava", RankContext.spava(lay, rank)), ("ring", RankContext.ring(lay.n, rank, world))):
-        tokens, logits, cache = spava_generate(model, ids, ctx, STEPS)
-        assert torch.equal(tokens, want), f"rank {rank}: {what} generated {tokens.tolist()}, dense {want.tolist()}"
-        assert logits.shape == (2, 1, model.config.vocab_size) and ctx.kept is None
-        if rank == 0:
-            assert cache.get_seq_length() == lay.n + STEPS - 1  # the prompt, then one position per fed token
-            _cache_in_order(cache, dense_cache, lay.n, rank, range(n_layers), what)
-        else:
-            assert cache is None and ctx.stats["cache_bytes_sent"] > 0
-    # Approximate SPAVA (l_p far below the block): layer 0's keys depend on the tokens alone, so they still
-    # equal dense at every position — the assembled order is right even where later layers differ.
+    want, want_logits, dense_cache = _reference(model, ids)
+    for what, ctx_of in (("spava", lambda: RankContext.spava(lay, rank)), ("ring", lambda: RankContext.ring(lay.n, rank, world))):
+        for decoder in ("distributed", "gather"):
+            ctx = ctx_of()
+            tokens, logits, step_logits, state = spava_generate(model, ids, ctx, STEPS, decoder=decoder)
+            tag = f"{what}/{decoder}"
+            assert torch.equal(tokens, want), f"rank {rank}: {tag} generated {tokens.tolist()}, dense {want.tolist()}"
+            assert logits.shape == (2, 1, model.config.vocab_size) and ctx.kept is None
+            if rank == 0:
+                err = relative_error(step_logits, want_logits)
+                assert err < LOGIT_TOL, f"rank {rank}: {tag} step logits vs full forwards {err:.2e}"
+            else:
+                assert step_logits is None
+            if decoder == "distributed":
+                _shards_partition(state, lay.n, STEPS, rank, world, tag)
+                assert ctx.stats["decode_setup_bytes"] == 0
+            elif rank == 0:
+                assert state.get_seq_length() == lay.n + STEPS - 1  # the prompt, then one position per fed token
+                _cache_in_order(state, dense_cache, lay.n, rank, range(n_layers), tag)
+            else:
+                assert state is None and ctx.stats["cache_bytes_sent"] > 0
+    # Approximate SPAVA (l_p far below the block): the two decoders see the same approximate K/V, so their
+    # step logits agree to rounding; layer 0's keys depend on the tokens alone, so the gathered cache still
+    # equals dense there at every position — the assembled order is right even where later layers differ.
     ids = prompt[:, : small.n]
-    tokens, _, cache = spava_generate(model, ids, RankContext.spava(small, rank), 3)
-    assert tokens.shape == (2, 3)
+    got = {d: spava_generate(model, ids, RankContext.spava(small, rank), STEPS, decoder=d) for d in ("distributed", "gather")}
+    assert torch.equal(got["distributed"][0], got["gather"][0]), f"rank {rank}: approximate SPAVA, decoders disagree"
     if rank == 0:
-        _, dense_small = _reference(model, ids)
-        assert cache.get_seq_length() == small.n + 2
-        _cache_in_order(cache, dense_small, small.n, rank, [0], "approximate spava")
+        err = relative_error(got["distributed"][2], got["gather"][2])
+        assert err < LOGIT_TOL, f"rank {rank}: approximate SPAVA, distributed vs gather step logits {err:.2e}"
+        _, dense_logits, dense_small = _reference(model, ids)
+        assert got["gather"][3].get_seq_length() == small.n + STEPS - 1
+        _cache_in_order(got["gather"][3], dense_small, small.n, rank, [0], "approximate spava")
+        # the approximation does reach the decode: the agreement above is not between two dense runs
+        assert relative_error(got["distributed"][2], dense_logits) > LOGIT_TOL
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +144,20 @@ def _gemma_worker(rank, world, path):
     model = _load(path)
     lay = Layout(8 + 2 * world * 30, 5, world, 8, 30)
     ids = torch.randint(0, 100, (1, lay.n), generator=torch.Generator().manual_seed(5))
-    want, _ = _reference(model, ids)
-    tokens, _, cache = spava_generate(model, ids, RankContext.spava(lay, rank), STEPS)
-    assert torch.equal(tokens, want), f"rank {rank}: gemma generated {tokens.tolist()}, dense {want.tolist()}"
-    if rank == 0:  # the hybrid cache: sliding layers keep their window, global layers every position
-        assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer" and cache.get_seq_length() == lay.n + STEPS - 1
+    want, want_logits, _ = _reference(model, ids)
+    for decoder in ("distributed", "gather"):
+        tokens, _, step_logits, state = spava_generate(model, ids, RankContext.spava(lay, rank), STEPS, decoder=decoder)
+        assert torch.equal(tokens, want), f"rank {rank}: gemma {decoder} generated {tokens.tolist()}, dense {want.tolist()}"
+        if rank == 0:
+            err = relative_error(step_logits, want_logits)
+            assert err < LOGIT_TOL, f"rank {rank}: gemma {decoder} step logits vs full forwards {err:.2e}"
+        if decoder == "gather" and rank == 0:  # the hybrid cache: sliding layers keep their window, global layers every position
+            assert type(state.layers[0]).__name__ == "DynamicSlidingWindowLayer" and state.get_seq_length() == lay.n + STEPS - 1
+        if decoder == "distributed":  # sliding layers keep only keys a decoded position can see
+            window = model.config.sliding_window
+            for layer, kind in enumerate(model.config.layer_types):
+                if kind == "sliding_attention":
+                    assert int(state[layer].pos[: state[layer].length].min(initial=lay.n)) > lay.n - window
 
 
 @pytest.mark.slow
