@@ -54,6 +54,8 @@ def owned_positions(ctx: RankContext, rank: int, world: int) -> list[int]:
     """Global positions whose K/V rank r contributes to the cache; over the ranks, each of 0..n-1 exactly once."""
     if ctx.mode == "ring":
         return zigzag_positions(ctx.n, world, rank)
+    if ctx.mode != "spava":  # torch CP's shards are torch's; another rank's are not known from this context
+        raise ValueError(f"decoding after a {ctx.mode!r} prefill is not supported (spava or ring)")
     lay = ctx.layout
     mine = [p for j in lay.vhosts(rank) for p in range(*lay.block(j))]
     if rank == QUERY_OWNER:  # anchor and query are replicated: one copy, from the rank whose query partial is causal
@@ -139,7 +141,30 @@ def decode_shards(model, ctx: RankContext, rank: int, world: int, extra: int, ds
     return shards
 
 
-_DECODE_ENGINE = as_engine(None)  # kernels on CUDA, plain torch elsewhere
+_KERNELS = as_engine("triton")
+
+
+def decode_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new token over one shard, no mask: q [B, Hq, 1, D], k/v [B, Hkv, M, D] -> fp32 out [B, Hq, 1, D],
+    lse [B, Hq, 1] (M = 0: out 0, lse -inf).
+
+    GQA packed: with one position and no mask, a KV head's G query heads are G rows over the same keys
+    ([B, Hkv, G, D]), so K/V are read once per KV head, never repeated. On CUDA the rows go to the fused
+    engine's block-sparse kernel (split-K over long shards, fused.py); elsewhere two fp32 matmuls, which
+    on CPU take a tenth of the plain engine's chunked, masked path at SmolLM2's decode shapes.
+    kernel: force the kernel (True; on CPU under TRITON_INTERPRET=1) or the matmuls (False); None: by device.
+    """
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    rows = q.reshape(b, hkv, hq // hkv, d)
+    if q.is_cuda if kernel is None else kernel:
+        o, lse = _KERNELS.attend(rows, k, v, scale, causal=False)
+    else:
+        s = torch.matmul(rows.float(), k.float().transpose(-1, -2)) * scale
+        lse = torch.logsumexp(s, dim=-1)  # -inf over no key; exp(s - lse) is then empty and o = 0
+        o = torch.matmul(torch.exp(s - lse[..., None]), v.float())
+    return o.float().reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: LocalKV, p: int, scale: float,
@@ -155,7 +180,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: L
     if shard.grows:
         shard.append(k, v, p)
     k_vis, v_vis = shard.visible(p, window)
-    o, lse = _DECODE_ENGINE.attend(q, k_vis, v_vis, scale, causal=False)
+    o, lse = decode_partial(q, k_vis, v_vis, scale)
     d = q.shape[-1]
     exchange = Collectives(group)
     got, wait = exchange.all_gather("decode", torch.cat([o.float(), lse[..., None]], dim=-1))
@@ -171,8 +196,8 @@ def distributed_decode(model, ctx: RankContext, last_logits: torch.Tensor, steps
     last_logits [B, V]: the prompt's last-position logits (identical on every rank). Call on every rank of
     ctx.group after a prefill with ctx.kept set. -> (tokens long [B, steps] on every rank, step logits fp32
     [B, steps - 1, V] on dst / None elsewhere, the LocalKV per layer). ctx.kept is released; ctx.stats gets
-    "decode_setup_s", "decode_steps_s", "decode_setup_bytes" (0) and "decode_bytes_sent" (per-layer
-    all-gathers plus, on dst, the token broadcasts).
+    "decode_setup_s", "decode_steps_s", "decode_setup_bytes" (0), "decode_bytes_sent" (per-layer
+    all-gathers plus, on dst, the token broadcasts) and "decode_attention_s" (local partials, all-gathers, merges).
     """
     rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
     start = time.perf_counter()
@@ -201,7 +226,8 @@ def distributed_decode(model, ctx: RankContext, last_logits: torch.Tensor, steps
     finally:
         detach(model)
     broadcast = (steps - 1) * first.numel() * first.element_size() * (world - 1) if rank == dst else 0
-    ctx.stats.update(decode_steps_s=time.perf_counter() - start, decode_bytes_sent=dec.stats.get("bytes_sent", 0) + broadcast)
+    ctx.stats.update(decode_steps_s=time.perf_counter() - start, decode_bytes_sent=dec.stats.get("bytes_sent", 0) + broadcast,
+                     decode_attention_s=dec.stats.get("attention_s", 0.0))
     step_logits = _stack_logits(logits, first, last_logits.shape[-1]) if rank == dst else None
     return torch.stack(out, dim=1), step_logits, shards
 

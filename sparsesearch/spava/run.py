@@ -135,7 +135,9 @@ def decode_fields(stats: dict, how: str, steps: int, seconds: float) -> dict:
     step_bytes = _max_over_ranks(stats["decode_bytes_sent"], None)
     return {"decode": how, "decode_seconds": seconds, "decode_setup_seconds": _max_over_ranks(stats["decode_setup_s"], None),
             "decode_setup_bytes": int(_max_over_ranks(stats["decode_setup_bytes"], None)),
-            "decode_s_per_token": step_s / per if per else None, "decode_bytes_per_token": int(step_bytes / per) if per else None}
+            "decode_s_per_token": step_s / per if per else None, "decode_bytes_per_token": int(step_bytes / per) if per else None,
+            # distributed only: the part of a step spent in attention (local partial, all-gather, merge)
+            "decode_attention_s_per_token": _max_over_ranks(stats.get("decode_attention_s", 0.0), None) / per if per else None}
 
 
 def _timed(fn, group):
