@@ -50,16 +50,26 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def generation_cells(r: dict) -> tuple[str, ...]:
+    """The --generate columns of one row: agreement with dense, which decode ran, its per-token cost."""
+    if "generated" not in r:
+        return ("-",) * 6
+    per_token = lambda v, fmt: "-" if v is None else fmt(v)
+    return ("yes" if r["first_token_agreement"] else "no", f"{r['generated_prefix']} / {len(r['generated'])}", r["decode"],
+            per_token(r["decode_s_per_token"], lambda v: f"{v:.3f}"), per_token(r["decode_bytes_per_token"], lambda v: f"{v / 1e3:.1f}"),
+            f"{r['decode_setup_bytes'] / 1e6:.1f}")
+
+
 def rows_table(result: dict, title: str) -> Table:
     table = Table(title=f"{title} · exact: {result['exact_engine']}")
     generated = any("generated" in r for r in result["rows"])
     cols = ("tokens", "l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact",
-            "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense") if generated else ())
+            "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense", "decode", "s / token", "KB / token / rank", "setup MB") if generated else ())
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
         retrieved = f"{r['retrieved']:d} / {r['retrieved_exact']:d}" if "retrieved" in r else "-"
-        gen = (("yes" if r["first_token_agreement"] else "no"), f"{r['generated_prefix']} / {len(r['generated'])}") if "generated" in r else ("-", "-")
+        gen = generation_cells(r)
         table.add_row(str(r["tokens"]), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
                       f"{r['ppl']:.2f} / {r['ppl_exact']:.2f}", retrieved, f"{r['seconds']:.2f} / {r['seconds_exact']:.2f}",
                       f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", *(seconds(r[f"modelled_s_w{w}"]) for w in (2, 4, 8)), *(gen if generated else ()))
@@ -79,18 +89,19 @@ def run(
     backend: BackendOpt = "auto",
     timeout: TimeoutOpt = 300.0,
     bandwidth: BandwidthOpt = 100.0,
-    generate: Annotated[int, typer.Option(help="Then decode N greedy tokens over the assembled KV cache; compared with dense generation.")] = 0,
+    generate: Annotated[int, typer.Option(help="Then decode N greedy tokens after the prefill; compared with dense generation.")] = 0,
+    decode: Annotated[str, typer.Option(help="With --generate: distributed (the paper's: each rank attends the K/V it holds, outputs merged by lse per layer) or gather (the cache gathered to rank 0, decoded there).")] = "distributed",
     json_out: JsonOpt = False,
 ) -> None:
     """One SPAVA prefill against exact sequence parallelism, same launch, same process group.
 
-    Example: sparsesearch spava run --model smollm2-135m --nproc 2 --tokens 2048 --generate 16
+    Example: sparsesearch spava run --model smollm2-135m --nproc 2 --tokens 2048 --generate 16 --decode distributed
     """
     from sparsesearch.spava.run import SpavaConfig
 
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=[tokens], anchors=ints(anchor, "--anchor")[:1],
                       passings=ints(passing, "--passing")[:1], query=query, data=data, backend=backend, timeout_s=timeout,
-                      bandwidth_gbs=bandwidth, generate=generate)
+                      bandwidth_gbs=bandwidth, generate=generate, decode=decode)
     result = run_launch(cfg, "spava run")
     if json_out:
         print_json(result)
@@ -98,5 +109,5 @@ def run(
     out_console.print(rows_table(result, f"SPAVA {model}, {nproc} processes"))
     for r in result["rows"]:
         if "generated" in r:
-            err_console.print(f"SPAVA prefill, then {len(r['generated'])} tokens: {r['generated_text']!r}", highlight=False, soft_wrap=True)
-            err_console.print(f"dense generation:               {r['generated_text_dense']!r}", highlight=False, soft_wrap=True)
+            err_console.print(f"SPAVA prefill, {r['decode']} decode, {len(r['generated'])} tokens: {r['generated_text']!r}", highlight=False, soft_wrap=True)
+            err_console.print(f"dense generation: {r['generated_text_dense']!r}", highlight=False, soft_wrap=True)

@@ -45,6 +45,7 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(not _has_smollm2(), reason="reads SmolLM2's c
     (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
     (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
     (["spava", "run", "--generate", "-1"], "--generate must be >= 0 tokens"),
+    (["spava", "run", "--generate", "4", "--decode", "scatter"], "--decode must be one of distributed, gather, got 'scatter'"),
     pytest.param(["spava", "run", "--tokens", "8100", "--generate", "200"], "--tokens + --generate 8300 exceeds the context", marks=NEEDS_SMOLLM2),
     pytest.param(["spava", "run", "--tokens", "9000"], "--tokens 9000 exceeds the context", marks=NEEDS_SMOLLM2),
     (["spava", "run", "--bandwidth", "0"], "--bandwidth must be > 0 GB/s"),
@@ -67,22 +68,28 @@ def test_bad_input_exit_2_one_line_nothing_written(tmp_path, args, message):
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_run_generate_after_covering_prefill_equals_dense(tmp_path, nproc):
+@pytest.mark.parametrize("nproc,decode", [(1, "distributed"), pytest.param(2, "distributed", marks=pytest.mark.slow),
+                                          pytest.param(2, "gather", marks=pytest.mark.slow)])
+def test_run_generate_after_covering_prefill_equals_dense(tmp_path, nproc, decode):
     """`spava run --generate`: with blocks of exactly l_p = 128 tokens SPAVA's prefill is exact, so the tokens
-    decoded over the assembled cache are dense generation's, first token included."""
+    decoded after it (distributed, or over the cache gathered to rank 0) are dense generation's, first token
+    included."""
     from tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny")
     tokens = 128 + 2 * nproc * 128 + 16  # anchor + 2W blocks of 128 + query
     res = runner.invoke(app, ["spava", "run", "--model", model, "--nproc", str(nproc), "--tokens", str(tokens), "--anchor", "128",
-                              "--passing", "128", "--query", "16", "--generate", "4", "--backend", "gloo", "--json"])
+                              "--passing", "128", "--query", "16", "--generate", "4", "--decode", decode, "--backend", "gloo", "--json"])
     assert res.exit_code == 0, res.output
     row = json.loads(res.stdout)["rows"][0]
     assert row["passing_used"] == 128 and len(row["generated"]) == 4
     assert row["generated"] == row["generated_dense"] and row["first_token_agreement"] and row["generated_prefix"] == 4
     assert row["generated_agreement"] == 1.0 and row["decode_seconds"] > 0
-    assert (row["cache_bytes_sent"] > 0) == (nproc > 1)
+    assert row["decode"] == decode and row["decode_s_per_token"] > 0
+    if decode == "distributed":  # nothing moves before the first step, then (out, lse) per layer per step
+        assert row["decode_setup_bytes"] == 0 and (row["decode_bytes_per_token"] > 0) == (nproc > 1)
+    else:  # the cache moves once, before the first step
+        assert (row["decode_setup_bytes"] > 0) == (nproc > 1)
 
 
 def test_into_needs_an_artifact(tmp_path):

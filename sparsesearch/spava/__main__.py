@@ -29,13 +29,15 @@ def parse(argv=None) -> tuple[SpavaConfig, str | None]:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--generate", type=int, default=0, help="greedy tokens decoded after each SPAVA prefill")
+    ap.add_argument("--decode", default="distributed", choices=("distributed", "gather"),
+                    help="distributed: each rank attends its own K/V per token (the paper's); gather: the cache on rank 0")
     ap.add_argument("--result", help="rank 0 writes the rows here (JSON)")
     a = ap.parse_args(argv)
     if a.config:
         return SpavaConfig(**json.loads(a.config)), a.result
     cfg = SpavaConfig(model=a.model, nproc=int(os.environ.get("WORLD_SIZE", "1")), tokens=[int(t) for t in a.tokens.split(",")],
                       anchors=_ints(a.anchor), passings=_ints(a.passing), query=a.query, data=a.data, backend=a.backend,
-                      timeout_s=a.timeout, generate=a.generate)
+                      timeout_s=a.timeout, generate=a.generate, decode=a.decode)
     return cfg, a.result
 
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .decode import DECODERS
 from .group import check_backend, child_env, free_port
 from .run import PROGRESS, SpavaConfig, layouts
 
@@ -36,6 +37,8 @@ def preflight(cfg: SpavaConfig) -> None:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout_s}")
     if cfg.generate < 0:
         raise ValueError(f"--generate must be >= 0 tokens, got {cfg.generate}")
+    if cfg.decode not in DECODERS:
+        raise ValueError(f"--decode must be one of {', '.join(DECODERS)}, got {cfg.decode!r}")
     if cfg.bandwidth_gbs <= 0:
         raise ValueError(f"--bandwidth must be > 0 GB/s, got {cfg.bandwidth_gbs}")
     for n in cfg.tokens:

@@ -6,7 +6,7 @@ the rank's global positions, the process group — live in one ``RankContext`` t
 every attention module of the text model (the way runtime/hf.py hands its Runner over) and
 ``detach`` removes.
 
-Modes: "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query]),
+Modes: "decode" (one new token per step over this rank's kept keys, decode.py), "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query]),
 "ring" (exact zigzag ring attention over the zigzag sharding, exact.py) and "torch_cp" (exact: torch's own
 context parallelism — the forward runs inside ``exact.torch_context_parallel``, which shards the positions,
 and each layer calls causal SDPA, which torch turns into its ring attention). A hybrid model's
@@ -41,6 +41,7 @@ class RankContext:
     group: object = None
     stats: dict = field(default_factory=dict)
     kept: dict | None = None  # layer -> (k, v) [B, Hkv, N_r, D] post-RoPE, when a decode follows (decode.py)
+    shards: dict | None = None  # mode "decode": layer -> decode.LocalKV, this rank's keys; pos = [the new token's position]
 
     @classmethod
     def spava(cls, layout: Layout, rank: int, group=None) -> "RankContext":
@@ -50,6 +51,11 @@ class RankContext:
     def torch_cp(cls, n: int, pos: torch.Tensor, group=None) -> "RankContext":
         """pos: the shard that exact.torch_context_parallel yields (torch's load-balanced layout)."""
         return cls("torch_cp", n, pos, None, group)
+
+    @classmethod
+    def decoding(cls, n: int, shards: dict, group=None) -> "RankContext":
+        """The distributed decode after a prefill of n tokens (decode.distributed_decode sets pos per step)."""
+        return cls("decode", n, torch.tensor([n]), None, group, shards=shards)
 
     @classmethod
     def ring(cls, n: int, rank: int, world: int, group=None) -> "RankContext":
@@ -65,7 +71,11 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
     if ctx.kept is not None:  # the local KV a decode needs; references, no copy (the layer made them)
         ctx.kept[module.layer_idx] = (key, value)
     start = time.perf_counter()
-    if ctx.mode == "torch_cp":
+    if ctx.mode == "decode":
+        from .decode import decode_attention
+
+        out = decode_attention(query, key, value, ctx.shards[module.layer_idx], int(ctx.pos[0]), scale, window, ctx.group, ctx.stats)
+    elif ctx.mode == "torch_cp":
         if window is not None:
             raise ValueError("torch context_parallel has no sliding-window attention; run the zigzag ring (exact_engine)")
         out = cp_attention(query, key, value, scale)
@@ -86,6 +96,22 @@ def has_sliding_layers(model) -> bool:
     return any(getattr(m, "sliding_window", None) is not None for m in model.modules() if hasattr(m, "layer_idx"))
 
 
+def attention_windows(model) -> list[int | None]:
+    """Per layer, the sliding window of its attention module (None on global layers)."""
+    return [getattr(m, "sliding_window", None) for m in _text_attention(model)]
+
+
+def _text_attention(model) -> list:
+    """The text model's attention modules in layer order, one per layer (ValueError otherwise)."""
+    from ..runtime.hf import _attention_modules, model_info
+
+    info = model_info(model)
+    modules = sorted(_attention_modules(model, info.num_layers), key=lambda m: m.layer_idx)
+    if [m.layer_idx for m in modules] != list(range(info.num_layers)):
+        raise ValueError(f"found {len(modules)} attention modules for {info.num_layers} layers; unsupported model layout")
+    return modules
+
+
 def _no_mask(*args, **kwargs):
     return None
 
@@ -95,14 +121,9 @@ def attach(model, ctx: RankContext) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from ..runtime.hf import _attention_modules, model_info
-
-    info = model_info(model)
+    modules = _text_attention(model)
     AttentionInterface.register(ATTN_NAME, spava_hf_attention)
     AttentionMaskInterface.register(ATTN_NAME, _no_mask)
-    modules = list(_attention_modules(model, info.num_layers))
-    if len(modules) != info.num_layers:
-        raise ValueError(f"found {len(modules)} attention modules for {info.num_layers} layers; unsupported model layout")
     for module in modules:
         setattr(module, _CTX, ctx)
     if not hasattr(model, "_spava_previous_attn"):

@@ -45,6 +45,7 @@ class SpavaConfig:
     seed: int = 0
     bandwidth_gbs: float = 100.0  # link bandwidth for the modelled latency (GB/s; NVLink-class default)
     generate: int = 0  # greedy tokens decoded after each SPAVA prefill (decode.py), compared with dense generation
+    decode: str = "distributed"  # how: "distributed" (the paper's, each rank attends its own K/V) or "gather" (decode.py)
 
 
 def layouts(cfg: SpavaConfig, n: int) -> list[Layout]:
@@ -123,6 +124,20 @@ def _dense_tokens(model, ids: torch.Tensor, steps: int, rank: int) -> torch.Tens
     tokens = dense_generate(model, ids, steps)[0] if rank == 0 else ids.new_empty((ids.shape[0], steps))
     dist.broadcast(tokens, src=0)
     return tokens
+
+
+def decode_fields(stats: dict, how: str, steps: int, seconds: float) -> dict:
+    """Row fields of one decode from every rank's ctx.stats (decode.py): times of the slowest rank, bytes of the
+    rank that sent most. Setup = before the first step (gather: the cache transfer); per token = the steps - 1
+    decode steps after the prefill's token, averaged (None when steps = 1)."""
+    per = steps - 1
+    step_s = _max_over_ranks(stats["decode_steps_s"], None)
+    step_bytes = _max_over_ranks(stats["decode_bytes_sent"], None)
+    return {"decode": how, "decode_seconds": seconds, "decode_setup_seconds": _max_over_ranks(stats["decode_setup_s"], None),
+            "decode_setup_bytes": int(_max_over_ranks(stats["decode_setup_bytes"], None)),
+            "decode_s_per_token": step_s / per if per else None, "decode_bytes_per_token": int(step_bytes / per) if per else None,
+            # distributed only: the part of a step spent in attention (local partial, all-gather, merge)
+            "decode_attention_s_per_token": _max_over_ranks(stats.get("decode_attention_s", 0.0), None) / per if per else None}
 
 
 def _timed(fn, group):
@@ -215,11 +230,10 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                        "exact_engine": engine, "exact_engine_note": why_not_cp, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
                 if cfg.generate:
-                    from .decode import decode_after_prefill
+                    from .decode import decode
 
-                    (tokens, _), _, t_dec = _timed(lambda: decode_after_prefill(model, ctx, logits[:, -1], cfg.generate), None)
-                    row.update(generation(tokens, dense_tokens, tok), decode_seconds=t_dec,
-                               cache_bytes_sent=int(_max_over_ranks(ctx.stats.get("cache_bytes_sent", 0), None)))
+                    (tokens, _, _), _, t_dec = _timed(lambda: decode(model, ctx, logits[:, -1], cfg.generate, cfg.decode), None)
+                    row.update(generation(tokens, dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec))
                 rows.append(row)
                 if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
                     print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
