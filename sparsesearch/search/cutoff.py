@@ -7,8 +7,10 @@ the model's head shape and the artifact's own most frequent sparse pattern (the 
 ``min_tokens`` is the shortest length from which sparse is faster at every measured length above it.
 
 Both paths are the ones the runtime takes: SDPA (torch, causal, GQA without repeating K/V) for dense, and
-``execute.build_group_index`` + ``execute.sparse_attend`` for sparse (the Triton kernel on a GPU, the
-index-driven torch backend on a CPU — so a CPU's cut-off is the torch backend's, and is usually "never").
+the runtime's ``execute.StaticIndexCache.index`` + ``execute.sparse_attend`` for sparse — a static index
+built once per shape, a dynamic one rebuilt per call (from a CUDA-graph replay up to graphed.MAX_TOKENS) —
+on the Triton kernel on a GPU, the index-driven torch backend on a CPU (so a CPU's cut-off is the torch
+backend's, and is usually "never").
 Timing: median of ``reps`` calls after one warm-up, CUDA-synchronised on a GPU.
 """
 
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..artifacts.columns import is_global, params_from_row
-from ..execute import HeadGroup, build_group_index, sparse_attend
+from ..execute import HeadGroup, StaticIndexCache, sparse_attend
 
 LADDER = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -80,8 +82,10 @@ def time_paths(group: HeadGroup, n: int, *, num_heads: int, num_kv_heads: int, h
     def dense():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
+    indices = StaticIndexCache()  # the warm-up call builds (static) or captures (dynamic on a GPU), as a first prompt does
+
     def sparse():
-        sparse_attend(q, k, v, build_group_index(group, q, k, head_space), scale, ids, out, lse)
+        sparse_attend(q, k, v, indices.index(group, q, k, head_space), scale, ids, out, lse)
 
     with torch.no_grad():
         return _median_ms(dense, device, reps), _median_ms(sparse, device, reps)
