@@ -175,18 +175,21 @@ def _merge_cases(rank, world):
 def test_decode_partial_kernel_equals_matmuls(keys):
     """The GQA-packed rows on the block-sparse kernel (the CUDA path, here under TRITON_INTERPRET=1) against
     the fp32 matmuls and against masked attention: a shard length off the block, and an empty shard."""
+    from conftest import DEVICE
+    from sparsesearch.reference import error_floor
     from sparsesearch.spava.decode import decode_partial
 
     g = torch.Generator().manual_seed(8)
     q, k, v = torch.randn(2, 6, 1, 64, generator=g), torch.randn(2, 2, keys, 64, generator=g), torch.randn(2, 2, keys, 64, generator=g)
     o_m, lse_m = decode_partial(q, k, v, 0.2, kernel=False)
-    o_k, lse_k = decode_partial(q, k, v, 0.2, kernel=True)
+    o_k, lse_k = (t.cpu() for t in decode_partial(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 0.2, kernel=True))  # Triton: the GPU where there is one
     if keys == 0:
         assert not o_m.any() and not o_k.any() and torch.isinf(lse_m).all() and torch.isinf(lse_k).all()
         return
     want, want_lse = masked_attention(q, k, v, lambda rows: torch.ones(1, 1, rows.numel(), keys, dtype=torch.bool), scale=0.2)
     assert relative_error(o_m, want) < 1e-6 and (lse_m - want_lse).abs().max() < 1e-5
-    assert relative_error(o_k, want) < 1e-5 and (lse_k - want_lse).abs().max() < 1e-4
+    floor = max(1e-5, error_floor(torch.float32, torch.device(DEVICE)))  # fp32 dots run as TF32 on a GPU
+    assert relative_error(o_k, want) < floor and (lse_k - want_lse).abs().max() < 10 * floor
 
 
 def _decode_worker(rank, world, path, ring=True):

@@ -141,10 +141,14 @@ def test_torch_cp_exact_baseline_on_gpu(tiny_llama):
 
 
 def test_exact_engine_falls_back_with_the_reason(one_process_group):
+    import torch.nn.functional as F
+
     from sparsesearch.spava.exact import exact_engine, torch_cp_support
 
+    sdpa = F.scaled_dot_product_attention
     reason = torch_cp_support(torch.device("cpu"))
     assert reason is not None  # no sharding rule for the CPU SDPA kernels in this torch
+    assert F.scaled_dot_product_attention is sdpa  # a failed probe leaves SDPA as it was (torch 2.11 did not)
     assert exact_engine(reason, 256, 1, sliding=False) == ("zigzag-ring", reason)
     assert exact_engine(None, 256, 2, sliding=True)[0] == "zigzag-ring"
     engine, why = exact_engine(None, 250, 2, sliding=False)

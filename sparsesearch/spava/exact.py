@@ -126,11 +126,19 @@ def torch_context_parallel(n: int, device: torch.device, group=None):
     which the model's input ids and position ids are indexed by. Inside, every causal SDPA call is torch's
     ring attention over the group.
     """
+    import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
 
     pos = torch.arange(n, device=device)[None]
-    with context_parallel(_cp_mesh(device, group), buffers=[pos], buffer_seq_dims=[1], no_restore_buffers={pos}):
-        yield pos[0]
+    sdpa = F.scaled_dot_product_attention
+    try:
+        with context_parallel(_cp_mesh(device, group), buffers=[pos], buffer_seq_dims=[1], no_restore_buffers={pos}):
+            yield pos[0]
+    finally:
+        # torch 2.11's context_parallel restores SDPA only on a clean exit: after an error in the body (the
+        # probe's, on a backend without a sharding rule) every later SDPA call of the process, CP or not,
+        # went through the ring's DTensor dispatch (the H200 suite's VLM tests failed on it)
+        F.scaled_dot_product_attention = sdpa
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
