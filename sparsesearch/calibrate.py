@@ -153,11 +153,19 @@ def preflight(cfg: CalibrateConfig):
     return space
 
 
+def _prunes(cfg: CalibrateConfig) -> bool:
+    """Whether the layer search skips candidates over the space's budget: not under a quality target, which
+    chooses across budgets (search/layer.score_layer)."""
+    return cfg.target_kl is None and cfg.max_output_error is None
+
+
 def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, device: str) -> str:
     settings = {
         "model": info.revision or info.id, "data": data_sha, "space": space_sha, "max_tokens": cfg.max_tokens,
         "samples": cfg.samples, "seed": cfg.seed, "head_space": cfg.head_space, "device": device.split(":")[0],
     }
+    if not _prunes(cfg):  # the layer scores then include candidates over the budget: not those of a pruned search
+        settings["prune"] = False
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -255,7 +263,8 @@ def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, 
         q, k, v = cap.q.to(device), cap.k.to(device), cap.v.to(device)
         if len(present) < 2:
             scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
-                                            frame_stride=frame_stride, scale=cap.scale)
+                                            frame_stride=frame_stride, scale=cap.scale,
+                                            prune=_prunes(cfg))
             dense = dense_cost(q, k, v, space, costs, cfg.head_space, cap.scale)
             _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t, dense))
         else:

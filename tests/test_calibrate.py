@@ -325,3 +325,18 @@ def test_text_only_calibration_reduces_to_the_intra_search(tiny_model, boundary_
     res = calibrate(_cfg(tiny_model, tmp_path / "t", boundary_space_file, eval_data=""))
     assert res.manifest["methods"]["mminference"]["boundary_search"].startswith("not needed")
     assert {(r["q_modality"], r["k_modality"], r["boundary"]) for r in res.rows} == {("all", "all", "none")}
+
+
+def test_unpruned_search_measures_candidates_over_the_budget():
+    """A quality target chooses across budgets: with prune=False every candidate's error is measured, with
+    the default pruning those over the budget stay unmeasured (error inf) — the costs are the same."""
+    q, k, v = planted()
+    space = load_space("budgets")
+    pruned, budget, _ = score_layer(q, k, v, space, AnalyticCost(), head_space="query")
+    full, budget_full, _ = score_layer(q, k, v, space, AnalyticCost(), head_space="query", prune=False)
+    assert torch.equal(budget, budget_full)
+    over = [(a, b) for a, b in zip(pruned, full) if a.candidate.pattern != "dense" and bool((a.cost_ms > budget).all())]
+    assert over, "the budgets space lists candidates over its own budget"
+    for a, b in over:
+        assert torch.isinf(a.error).all() and torch.isfinite(b.error).all(), (a.candidate, a.error, b.error)
+        assert torch.equal(a.cost_ms, b.cost_ms)

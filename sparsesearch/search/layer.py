@@ -300,7 +300,7 @@ def score_layer(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, space: SearchSpace, costs: CostModel, *,
     head_space: str = "query", modality: str = "text", frame_stride: int | None = None, scale: float | None = None,
     row_pos: torch.Tensor | None = None, reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-    budget: torch.Tensor | None = None, dense_fallback: bool = True,
+    budget: torch.Tensor | None = None, dense_fallback: bool = True, prune: bool = True,
 ) -> tuple[list[Scored], torch.Tensor, Timings]:
     """Score every applicable candidate of the space on one layer, or on one permuted modality region of
     it (q rows [1, Hq, Nq, D] and keys k/v [1, Hkv, Nk, D] gathered, row_pos their frame: grid candidates
@@ -311,6 +311,9 @@ def score_layer(
     With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
     max_error; a space that lists dense itself gets the same treatment). The boundary search leaves it
     out of its regions (search/boundary.py says why).
+    prune=False runs (and so measures the error of) candidates over the budget too: a quality target
+    (calibrate --target-kl / --max-output-error) chooses across budgets, and a head that only a denser
+    candidate serves would otherwise have nothing between the budget and dense.
     Returns (scored, budget_ms [H], times)."""
     n = k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -329,7 +332,7 @@ def score_layer(
         if resolved is None:
             continue
         scored.append(score_candidate(cand, resolved, q, k, v, ref_out, ref_lse, head_space, space.block_m, space.block_n,
-                                      scale, costs, timings, budget, row_pos))
+                                      scale, costs, timings, budget if prune else None, row_pos))
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
     _score_fallbacks(scored, budget, q, k, v, ref_out, ref_lse, space, head_space, scale, costs, timings, frame_stride, row_pos)
