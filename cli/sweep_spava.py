@@ -18,6 +18,7 @@ def sweep_spava(
     anchor: Annotated[str, typer.Option(help="Comma-separated l_a values (multiples of 128; 'default' = n/64 rounded up).")] = "128,256",
     passing: Annotated[str, typer.Option(help="Comma-separated l_p values (multiples of 128; 'default' = n/128 rounded up).")] = "128,256",
     tokens: Annotated[str, typer.Option(help="Comma-separated prompt lengths.")] = "2048",
+    samples: Annotated[int, typer.Option(help="Prompts per length (seeds 0, 1, ...): KL averaged, retrieval counted over them.")] = 1,
     query: QueryOpt = 64,
     data: DataOpt = "text",
     kl_tolerance: Annotated[float, typer.Option(help="A configuration qualifies at next-token KL <= this (and retrieval no worse than exact).")] = 0.01,
@@ -47,8 +48,10 @@ def sweep_spava(
 
         load_artifact(out)  # a broken artifact at --out is refused before the launch
     lengths = [n for n in ints(tokens, "--tokens") if n is not None]
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=lengths, anchors=ints(anchor, "--anchor"), passings=ints(passing, "--passing"),
-                      query=query, data=data, backend=backend, timeout_s=timeout, bandwidth_gbs=bandwidth)
+                      query=query, data=data, backend=backend, timeout_s=timeout, bandwidth_gbs=bandwidth, samples=samples)
     result = run_launch(cfg, "sweep-spava")
     path, rec = write_sweep(result, cfg, target, kl_tolerance=kl_tolerance, compose=(target / "manifest.json").is_file())
     png = draw_sweep(result["rows"], target.with_name(target.name + "-spava.png"))
@@ -57,7 +60,9 @@ def sweep_spava(
         return
     out_console.print(rows_table(result, f"sweep-spava {model}, {nproc} processes"))
     for r in rec:
-        err_console.print(f"{r['tokens']} tokens: recommended l_a={r['anchor']} l_p={r['passing']} (KL {r['kl']:.2e}{'' if r['qualified'] else ', none within tolerance'})")
+        found = f", retrieved {r['retrieved']} / {r['prompts']} (exact {r['retrieved_exact']})" if "retrieved" in r else ""
+        err_console.print(f"{r['tokens']} tokens: recommended l_a={r['anchor']} l_p={r['passing']} (mean KL {r['kl']:.2e} over "
+                          f"{r['prompts']} prompt{'s' if r['prompts'] > 1 else ''}{found}{'' if r['qualified'] else ', none within tolerance'})")
     err_console.print(f"artifact: {path} · plot: {png}")
 
 

@@ -44,6 +44,7 @@ NEEDS_SMOLLM2 = pytest.mark.skipif(not _has_smollm2(), reason="reads SmolLM2's c
     (["spava", "run", "--anchor", "abc"], "comma-separated integers"),
     (["sweep-spava", "--passing", "128,100"], "multiple of 128"),
     (["sweep-spava", "--nproc", "0"], "nproc must be >= 1"),
+    (["sweep-spava", "--samples", "0"], "--samples must be >= 1"),
     (["spava", "run", "--generate", "-1"], "--generate must be >= 0 tokens"),
     (["spava", "run", "--generate", "4", "--decode", "scatter"], "--decode must be one of distributed, gather, got 'scatter'"),
     pytest.param(["spava", "run", "--tokens", "8100", "--generate", "200"], "--tokens + --generate 8300 exceeds the context", marks=NEEDS_SMOLLM2),
@@ -121,8 +122,21 @@ def test_failure_line_names_the_rank():
 def test_recommend_prefers_fast_within_tolerance():
     row = lambda la, lp, kl, s: {"tokens": 2048, "nproc": 2, "anchor": la, "passing": lp, "kl": kl, "modelled_s_w2": s}
     rows = [row(128, 128, 0.02, 1.0), row(128, 256, 0.004, 1.5), row(256, 256, 0.003, 2.0)]
-    assert recommend(rows, 0.01) == [{"tokens": 2048, "anchor": 128, "passing": 256, "kl": 0.004, "qualified": True}]
-    assert recommend(rows, 0.001)[0] | {} == {"tokens": 2048, "anchor": 256, "passing": 256, "kl": 0.003, "qualified": False}
+    assert recommend(rows, 0.01) == [{"tokens": 2048, "anchor": 128, "passing": 256, "kl": 0.004, "qualified": True, "prompts": 1}]
+    assert recommend(rows, 0.001)[0] | {} == {"tokens": 2048, "anchor": 256, "passing": 256, "kl": 0.003, "qualified": False, "prompts": 1}
+
+
+def test_recommend_folds_prompts_into_counts():
+    """--samples: a configuration's KL is the mean over its prompts and it qualifies only if it retrieves every
+    prompt exact retrieves (a prompt exact misses counts for nobody)."""
+    def row(lp, sample, kl, got, want):
+        return {"tokens": 4096, "nproc": 2, "anchor": 128, "passing": lp, "sample": sample, "kl": kl, "modelled_s_w2": lp / 100,
+                "retrieved": got, "retrieved_exact": want}
+    rows = [row(128, 0, 0.001, True, True), row(128, 1, 0.003, False, True), row(128, 2, 0.002, True, False),
+            row(256, 0, 0.004, True, True), row(256, 1, 0.002, True, True), row(256, 2, 0.003, False, False)]
+    rec = recommend(rows, 0.01)
+    assert rec == [{"tokens": 4096, "anchor": 128, "passing": 256, "kl": 0.003, "qualified": True, "prompts": 3,
+                    "retrieved": 2, "retrieved_exact": 2}]
 
 
 @pytest.mark.slow
@@ -227,7 +241,7 @@ def test_sweep_composes_into_an_existing_artifact(tmp_path):
               "model": before.manifest["model"]}
     path, rec = write_sweep(result, SpavaConfig(), target, kl_tolerance=0.01, compose=True)
     after = load_artifact(path)
-    assert rec == [{"tokens": 2048, "anchor": 128, "passing": 128, "kl": 0.004, "qualified": True}]
+    assert rec == [{"tokens": 2048, "anchor": 128, "passing": 128, "kl": 0.004, "qualified": True, "prompts": 1}]
     assert after.manifest["methods"]["spava"]["recommended"] == rec
     for kept in ("mminference", "trianglemix"):
         assert after.manifest["methods"][kept] == before.manifest["methods"][kept]

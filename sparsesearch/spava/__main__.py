@@ -25,6 +25,7 @@ def parse(argv=None) -> tuple[SpavaConfig, str | None]:
     ap.add_argument("--anchor", default="default", help="comma-separated l_a values ('default' = n/64 rounded up to 128)")
     ap.add_argument("--passing", default="default", help="comma-separated l_p values ('default' = n/128 rounded up to 128)")
     ap.add_argument("--query", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=1, help="prompts per length (seeds 0, 1, ...)")
     ap.add_argument("--data", default="text")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -37,7 +38,7 @@ def parse(argv=None) -> tuple[SpavaConfig, str | None]:
         return SpavaConfig(**json.loads(a.config)), a.result
     cfg = SpavaConfig(model=a.model, nproc=int(os.environ.get("WORLD_SIZE", "1")), tokens=[int(t) for t in a.tokens.split(",")],
                       anchors=_ints(a.anchor), passings=_ints(a.passing), query=a.query, data=a.data, backend=a.backend,
-                      timeout_s=a.timeout, generate=a.generate, decode=a.decode)
+                      timeout_s=a.timeout, generate=a.generate, decode=a.decode, samples=a.samples)
     return cfg, a.result
 
 

@@ -13,6 +13,7 @@ query and each must be the argmax at the position before it).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -43,6 +44,7 @@ class SpavaConfig:
     dtype: str = "auto"
     timeout_s: float = 300.0
     seed: int = 0
+    samples: int = 1  # prompts per length (seeds seed, seed + 1, ...): retrieval is a count, not one prompt
     bandwidth_gbs: float = 100.0  # link bandwidth for the modelled latency (GB/s; NVLink-class default)
     generate: int = 0  # greedy tokens decoded after each SPAVA prefill (decode.py), compared with dense generation
     decode: str = "distributed"  # how: "distributed" (the paper's, each rank attends its own K/V) or "gather" (decode.py)
@@ -76,13 +78,16 @@ def natural_text_ids(tokenizer, n: int, seed: int) -> torch.Tensor:
     return torch.tensor(ids[start : start + n])
 
 
-def build_prompt(cfg: SpavaConfig, tokenizer, n: int) -> tuple[torch.Tensor, int]:
-    """-> (ids long [1, n'], answer tokens at the end of ids, 0 for natural text)."""
+def build_prompt(cfg: SpavaConfig, tokenizer, n: int, seed: int | None = None) -> tuple[torch.Tensor, int]:
+    """-> (ids long [1, n'], answer tokens at the end of ids, 0 for natural text). seed: the prompt's (default
+    cfg.seed); the sweep's samples are seeds cfg.seed, cfg.seed + 1, ... (another text offset, another key
+    and depth)."""
+    seed = cfg.seed if seed is None else seed
     if cfg.data == "text":
-        return natural_text_ids(tokenizer, n, cfg.seed)[None], 0
+        return natural_text_ids(tokenizer, n, seed)[None], 0
     from ..data import held_out
 
-    sample = held_out(cfg.data, tokenizer, max_tokens=n - 8, seed=cfg.seed)
+    sample = held_out(cfg.data, tokenizer, max_tokens=n - 8, seed=seed)
     if sample.answer_ids is None:
         return sample.input_ids[None], 0
     answer = sample.answer_ids
@@ -207,8 +212,8 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
         sliding = has_sliding_layers(model)
         engines = set()
         rows = []
-        for n in cfg.tokens:
-            ids, answer = build_prompt(cfg, tok, n)
+        for n, sample in itertools.product(cfg.tokens, range(cfg.samples)):
+            ids, answer = build_prompt(cfg, tok, n, cfg.seed + sample)
             ids = ids.to(device)
             n_real = ids.shape[1]
             warm = ids[:, : min(n_real, 256)]  # first-call costs (allocator, thread pools) out of the timings
@@ -221,7 +226,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                 ctx = RankContext.spava(lay, rank)
                 ctx.kept = {} if cfg.generate else None  # the local KV the decode after this prefill needs
                 logits, t_mine, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
-                row = {"tokens": n_real, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
+                row = {"tokens": n_real, "sample": sample, "seed": cfg.seed + sample, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
                        "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
                        "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
@@ -236,7 +241,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                     row.update(generation(tokens, dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec))
                 rows.append(row)
                 if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
-                    print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)}", flush=True)
+                    print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * cfg.samples * len(cfg.anchors) * len(cfg.passings)}", flush=True)
         if rank == 0 and result_path:
             with open(result_path, "w") as f:
                 json.dump({"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)

@@ -9,6 +9,7 @@ the lowest KL. Writing into an existing artifact keeps its tables and other meth
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -16,15 +17,45 @@ import pandas as pd
 TABLE = "spava.parquet"
 
 
-def recommend(rows: list[dict], kl_tolerance: float) -> list[dict]:
-    """One {tokens, anchor, passing, kl, qualified} per prompt length."""
+def configurations(rows: list[dict]) -> list[dict]:
+    """Rows of one (tokens, anchor, passing) over the launch's prompts (``sample``) folded into one: mean KL
+    and latencies, and retrieval as counts — SPAVA's and exact's over the prompts, and how many prompts
+    exact retrieved but SPAVA did not (``lost``)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["tokens"], r["anchor"], r["passing"]), []).append(r)
     out = []
-    for n in sorted({r["tokens"] for r in rows}):
-        at = [r for r in rows if r["tokens"] == n]
-        ok = [r for r in at if r["kl"] <= kl_tolerance and r.get("retrieved", True) >= r.get("retrieved_exact", False)]
+    for (n, la, lp), rs in groups.items():
+        def mean(k: str) -> float | None:  # None where the model has no value (2W hosts that do not fit)
+            vals = [r[k] for r in rs]
+            return None if any(v is None for v in vals) else sum(vals) / len(vals)
+
+        conf = {"tokens": n, "anchor": la, "passing": lp, "nproc": rs[0]["nproc"], "prompts": len(rs), "kl": mean("kl"),
+                **{k: mean(k) for k in rs[0] if k == "seconds" or k.startswith("modelled_s_w")}}
+        if "retrieved" in rs[0]:
+            conf.update(retrieved=sum(bool(r["retrieved"]) for r in rs), retrieved_exact=sum(bool(r["retrieved_exact"]) for r in rs),
+                        lost=sum(bool(r["retrieved_exact"]) and not r["retrieved"] for r in rs))
+        out.append(conf)
+    return out
+
+
+def recommend(rows: list[dict], kl_tolerance: float) -> list[dict]:
+    """One {tokens, anchor, passing, kl, qualified[, retrieved, retrieved_exact, prompts]} per prompt length:
+    KL is the mean over the prompts, and a configuration qualifies only if it retrieves every prompt exact
+    retrieves."""
+    out = []
+    confs = configurations(rows)
+    for n in sorted({c["tokens"] for c in confs}):
+        at = [c for c in confs if c["tokens"] == n]
+        ok = [c for c in at if c["kl"] <= kl_tolerance and not c.get("lost", 0)]
         key = f"modelled_s_w{at[0]['nproc']}" if at[0]["nproc"] in (2, 4, 8) else "seconds"
-        best = min(ok, key=lambda r: (r[key], r["passing"], r["anchor"])) if ok else min(at, key=lambda r: r["kl"])
-        out.append({"tokens": n, "anchor": best["anchor"], "passing": best["passing"], "kl": round(best["kl"], 6), "qualified": bool(ok)})
+        fastest = lambda c: (math.inf if c[key] is None else c[key], c["passing"], c["anchor"])  # noqa: E731
+        best = min(ok, key=fastest) if ok else min(at, key=lambda c: c["kl"])
+        rec = {"tokens": n, "anchor": best["anchor"], "passing": best["passing"], "kl": round(best["kl"], 6), "qualified": bool(ok),
+               "prompts": best["prompts"]}
+        if "retrieved" in best:
+            rec.update(retrieved=best["retrieved"], retrieved_exact=best["retrieved_exact"])
+        out.append(rec)
     return out
 
 
@@ -71,7 +102,7 @@ def draw_sweep(rows: list[dict], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.4), squeeze=False)
     for ax, n in zip(axes[0], lengths):
         for la, g in df[df["tokens"] == n].groupby("anchor"):
-            g = g.sort_values("passing")
+            g = g.groupby("passing", as_index=False)["kl"].mean()  # mean over the prompts
             ax.plot(g["passing"], g["kl"], marker="o", label=f"l_a={la}")
         ax.set_title(f"{n} tokens, W={int(df['nproc'].iloc[0])}")
         ax.set_xlabel("l_p (passing tokens per virtual host)")
