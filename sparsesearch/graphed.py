@@ -11,8 +11,9 @@ The index a replay returns lives in the graph's static outputs: the next replay 
 overwrites it. The runtime consumes each index in the launch that follows on the same stream (one head
 group at a time), which stream order makes safe; a caller that keeps an index across calls must copy it.
 Graphs are used only on CUDA, in the identity frame (no region row_pos), up to ``MAX_TOKENS`` keys (the
-static lists grow with the square of the length, and beyond ~32K one build is no longer launch-bound), and
-never while another capture is running.
+static lists and each graph's pool grow with the square of the length, and past 16K one build is no
+longer launch-bound), and never while another capture is running. Every new (group, shape) pays one
+warm-up build and one capture, once: a stream of prompts of ever-new lengths gains nothing from graphs.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ import torch
 from .index import BlockIndex
 from .patterns.registry import pattern
 
-MAX_TOKENS = 32768  # longest key length built through a graph
-LIMIT = 32  # graphs kept per cache (each holds its own memory pool: intermediates of one build)
+# Longest key length built through a graph. The replay saved 1.2-1.4 ms at 4K-8K but 0.3 ms at 32K (H200,
+# benchmarks/RESULTS.md), while each captured build keeps its intermediates in its own memory pool, and those
+# grow with the square of the length (block top-k over 32 heads: ~8 MB per [B, H, QB, KB] fp32 tensor at
+# 16K, ~32 MB at 32K): past 16K the memory is not worth the saving.
+MAX_TOKENS = 16384
+LIMIT = 16  # graphs kept per cache: at most ~1-2 GB of pools at 16K, far less at the lengths graphs pay at
 
 
 @dataclass

@@ -8,7 +8,7 @@ the model's head shape and the artifact's own most frequent sparse pattern (the 
 
 Both paths are the ones the runtime takes: SDPA (torch, causal, GQA without repeating K/V) for dense, and
 the runtime's ``execute.StaticIndexCache.index`` + ``execute.sparse_attend`` for sparse — a static index
-built once per shape, a dynamic one rebuilt per call (from a CUDA-graph replay up to graphed.MAX_TOKENS) —
+built once per shape, a dynamic one rebuilt per call (from a CUDA-graph replay up to graphed.MAX_TOKENS, 16K) —
 on the Triton kernel on a GPU, the index-driven torch backend on a CPU (so a CPU's cut-off is the torch
 backend's, and is usually "never").
 Timing: median of ``reps`` calls after one warm-up, CUDA-synchronised on a GPU.
