@@ -75,6 +75,10 @@ def _entry(local_rank: int, fn: Callable, world: int, port: int, backend: str, t
     init_group(backend, timeout_s, rank=local_rank, world=world)
     try:
         fn(local_rank, world, *args)
+        # every rank done with its collectives before any tears the group down: a rank that destroyed its
+        # gloo group while a peer's last exchange was still in flight aborted that peer ("terminate called
+        # without an active exception", exit -6; seen once in CI in the 2-process decode test)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

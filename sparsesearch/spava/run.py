@@ -245,6 +245,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
         if rank == 0 and result_path:
             with open(result_path, "w") as f:
                 json.dump({"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
+        dist.barrier()  # no rank tears the group down while a peer's last exchange is in flight (group._entry)
         return rows
     finally:
         dist.destroy_process_group()
