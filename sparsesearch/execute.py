@@ -117,7 +117,7 @@ class StaticIndexCache:
             from .graphed import usable
 
             if self._graphs is not None and usable(q, k):
-                return self._graphs.index(g, q, k, space, *estimate_heads(g, q.shape[1] // k.shape[1], space))
+                return self._graphs.index(g, q, k, space)
             return build_group_index(g, q, k, space)
         key = (g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
         if key not in self._entries:

@@ -59,14 +59,13 @@ class GraphedIndexCache:
         self.limit = limit
         self._entries: dict[tuple, _Entry] = {}
 
-    def index(self, g, q: torch.Tensor, k: torch.Tensor, space: str, q_ids: list[int], kv_ids: list[int]) -> BlockIndex:
-        """The group's index from q [B, Hq, N, D], k [B, Hkv, Nk, D]: q_ids / kv_ids are the head ids whose
-        slices it is estimated from (execute.build_group_index's choice). Valid until the next call with
-        the same key."""
+    def index(self, g, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
+        """The group's index from q [B, Hq, N, D], k [B, Hkv, Nk, D], as execute.build_group_index builds it.
+        Valid until the next call with the same key."""
         key = (g.pattern, g.params, g.heads, g.block_m, g.block_n, space, tuple(q.shape), tuple(k.shape), q.dtype, q.device)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._capture(g, q, k, space, q_ids, kv_ids)
+            entry = self._capture(g, q, k, space)
             if len(self._entries) >= self.limit:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = entry
@@ -76,8 +75,11 @@ class GraphedIndexCache:
         return entry.index
 
     @staticmethod
-    def _capture(g, q: torch.Tensor, k: torch.Tensor, space: str, q_ids: list[int], kv_ids: list[int]) -> _Entry:
+    def _capture(g, q: torch.Tensor, k: torch.Tensor, space: str) -> _Entry:
+        from .execute import estimate_heads
+
         module = pattern(g.pattern)
+        q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)  # the heads the eager build slices
         qi = torch.tensor(q_ids, device=q.device)
         ki = torch.tensor(kv_ids, device=q.device)
         sq, sk = q.index_select(1, qi), k.index_select(1, ki)

@@ -130,7 +130,7 @@ def select(
 def index_from_selection(selection: BlockSelection, static_widths: bool = False) -> BlockIndex:
     """BlockIndex of a selection (window off): full when wholly causal and in range, partial otherwise.
     static_widths: lists as wide as the key blocks instead of the largest count (no device sync: the
-    build can be captured in a CUDA graph, execute.GraphedIndexCache)."""
+    build can be captured in a CUDA graph, graphed.GraphedIndexCache)."""
     s = selection
     first, _ = query_block_bounds(s.q_len, s.kv_len, s.block_m, s.blocks.device, s.row_pos)
     kv_blocks = s.blocks.shape[-1]

@@ -123,7 +123,7 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, st
     (m, kb) at once. Working memory: a few bytes per (B, H, QB, KB) block pair plus the per-block
     vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines. static_widths: lists as wide
     as the key blocks and the verticals instead of the largest counts (no device sync: the build can be
-    captured in a CUDA graph, execute.GraphedIndexCache).
+    captured in a CUDA graph, graphed.GraphedIndexCache).
     """
     q_len, kv_len = lines.q_len, check_frame(lines.q_len, lines.kv_len, lines.row_pos)
     device = lines.slash.device

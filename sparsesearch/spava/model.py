@@ -92,8 +92,8 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
 
 
 def has_sliding_layers(model) -> bool:
-    """Whether any attention module of the model is a sliding-window layer (a hybrid such as Gemma 3)."""
-    return any(getattr(m, "sliding_window", None) is not None for m in model.modules() if hasattr(m, "layer_idx"))
+    """Whether any attention layer of the model is a sliding-window layer (a hybrid such as Gemma 3)."""
+    return any(w is not None for w in attention_windows(model))
 
 
 def attention_windows(model) -> list[int | None]:

@@ -220,7 +220,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
             tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
             engine, why_not_cp = exact_engine(cp_reason, n_real, world, sliding)
             engines.add(engine)
-            exact, ring_ctx, t_exact = exact_logits(model, ids, engine, cfg.query, rank, world, device)
+            exact, exact_ctx, t_exact = exact_logits(model, ids, engine, cfg.query, rank, world, device)
             dense_tokens = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
             for lay in layouts(cfg, n_real):
                 ctx = RankContext.spava(lay, rank)
@@ -231,7 +231,7 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                        "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
                        "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
-                       "bytes_sent_exact": int(_max_over_ranks(ring_ctx.stats.get("bytes_sent", 0), None)),
+                       "bytes_sent_exact": int(_max_over_ranks(exact_ctx.stats.get("bytes_sent", 0), None)),
                        "exact_engine": engine, "exact_engine_note": why_not_cp, "backend": backend, **quality(logits, exact, ids, answer)}
                 row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
                 if cfg.generate:
