@@ -1,9 +1,11 @@
 """Sweep launch configs of the block-sparse kernel on one GPU (bf16, 32 heads, 8 KV heads, d=128).
 
-    python benchmarks/tune_kernel.py --n 32768
+    python benchmarks/tune_kernel.py --n 32768 131072 --block 64 128 --density 0.05 0.1 0.25
 
-Prints TFLOP/s per computed element for an all-causal-blocks index (compare with SDPA directly) and a
-25%-density block top-k index, for every (TILE_N, num_warps, num_stages) that compiles.
+Prints, per length, block size and index (all causal blocks, and block top-k at each requested density of
+the causal blocks, kv head space as the runtime uses it), the time and efficiency (computed density x SDPA
+time / kernel time, SDPA over the same q/k/v measured once per length) of every (TILE_N, num_warps,
+num_stages, TMA loads of full tiles off/on) that compiles.
 """
 
 from __future__ import annotations
@@ -19,38 +21,49 @@ from sparsesearch.kernels import block_sparse_attention
 from sparsesearch.patterns import block_topk, dense
 
 
+def indices(q, k, n: int, block: int, densities: list[float]) -> dict:
+    """The dense index and one block top-k index per density (k_blocks = density x a causal row's mean blocks)."""
+    out = {"dense": dense.build_index(dense.DenseParams(), n, heads=k.shape[1], block_m=block, block_n=block, head_space="kv", device="cuda")}
+    for d in densities:
+        params = block_topk.BlockTopKParams(k_blocks=max(1, round(d * n / block / 2)))
+        out[f"topk{round(d * 100)}"] = block_topk.build_index(params, q, k, head_space="kv", block_m=block, block_n=block)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--n", type=int, default=32768)
+    parser.add_argument("--n", type=int, nargs="+", default=[32768])
     parser.add_argument("--block", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--density", type=float, nargs="+", default=[0.25])
+    parser.add_argument("--tile", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--tma", choices=["off", "on"], nargs="+", default=["off", "on"])
     args = parser.parse_args()
-    n, heads, kv_heads, dim = args.n, 32, 8, 128
-    q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
-    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True))
-    flops = 4 * n * n / 2 * dim * heads
-    print(f"SDPA {t_sdpa:.3f} ms {flops / t_sdpa / 1e9:.0f} TFLOP/s")
-    for block in args.block:
-        indices = {
-            "dense": dense.build_index(dense.DenseParams(), n, heads=kv_heads, block_m=block, block_n=block, head_space="kv", device="cuda"),
-            "topk25": block_topk.build_index(block_topk.BlockTopKParams(k_blocks=max(1, round(0.25 * n / block / 2))), q, k, head_space="kv", block_m=block, block_n=block),
-        }
-        for name, index in indices.items():
-            dens = computed_density(index, n)
-            for tile_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)):
-                if tile_n > block:
-                    continue
-                cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages}
-                try:
-                    block_sparse_attention(q, k, v, index, config=cfg)
-                    t = bench(lambda: block_sparse_attention(q, k, v, index, config=cfg), warmup_ms=20, rep_ms=100)
-                except Exception as exc:  # out of shared memory etc.
-                    print(f"block {block} {name} {cfg} failed: {type(exc).__name__}")
-                    continue
-                print(f"block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages}: {t:7.3f} ms "
-                      f"eff {dens * t_sdpa / t:.3f} ({dens * flops / t / 1e9:.0f} TFLOP/s)", flush=True)
+    heads, kv_heads, dim = 32, 8, 128
+    for n in args.n:
+        torch.manual_seed(n)
+        q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        t_sdpa = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        flops = 4 * n * n / 2 * dim * heads
+        print(f"N {n} SDPA {t_sdpa:.3f} ms {flops / t_sdpa / 1e9:.0f} TFLOP/s", flush=True)
+        for block in args.block:
+            for name, index in indices(q, k, n, block, args.density).items():
+                dens = computed_density(index, n)
+                for tile_n, warps, stages, tma in itertools.product(args.tile, args.warps, args.stages, args.tma):
+                    if tile_n > block:
+                        continue
+                    cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages, "tma": tma == "on"}
+                    try:
+                        block_sparse_attention(q, k, v, index, config=cfg)
+                        t = bench(lambda: block_sparse_attention(q, k, v, index, config=cfg), warmup_ms=20, rep_ms=100)
+                    except Exception as exc:  # out of shared memory etc.
+                        print(f"N {n} block {block} {name} {cfg} failed: {type(exc).__name__}")
+                        continue
+                    print(f"N {n:6d} block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages} tma {tma:3s}: "
+                          f"{t:8.3f} ms eff {dens * t_sdpa / t:.3f} ({dens * flops / t / 1e9:.0f} TFLOP/s)", flush=True)
 
 
 if __name__ == "__main__":

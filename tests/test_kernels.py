@@ -6,6 +6,8 @@ twice the error of the same reference computed in the inputs' low precision, plu
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,7 @@ def test_all_blocks_is_dense_causal(dim, group):
 
 
 def test_window_and_sink_mask_is_token_exact():
-    """A-shape semantics in partial blocks: j < sink or pos - j < window, causal."""
+    """A-shape semantics in partial blocks: j < sink or pos - j < window, causal (full blocks unmasked)."""
     q, k, v = qkv(2, 4, 2, 150, 150, 64, torch.bfloat16, seed=3)
     index = random_index(2, 2, 150, 150, 32, 32, density=1.1, window=40, sink=5, head_space="kv", device=DEVICE)
     out, lse = block_sparse_attention(q, k, v, index)
@@ -235,6 +237,25 @@ def test_bad_index_raises():
     q = torch.randn(5, 1, 64)
     with pytest.raises(ValueError, match="non-decreasing"):
         block_sparse_attention(q, q, q, random_index(2, 1, 10, 10, 16, 16), cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize("variant", [{"tma": True}], ids=str)
+@pytest.mark.parametrize("window", [-1, 30])
+@pytest.mark.parametrize("head_space", ["query", "kv"])
+def test_launch_variants_are_bitwise_equal(head_space, variant, window):
+    """Full tiles as TMA copies (descriptor loads) give the same bits as pointer loads, with a head map,
+    partial blocks, gathered columns and a window on the partial blocks."""
+    q, k, v = qkv(2, 6, 2, 90, 90, 64, torch.float16, seed=5)
+    ids = [1] if head_space == "kv" else [0, 4, 5]
+    index = random_index(2, len(ids), 90, 90, 16, 32, columns=3, head_space=head_space, seed=2, device=DEVICE)
+    if window > 0:  # full blocks stay unmasked, partial blocks take the window/sink mask
+        index = replace(index, window=window, sink=3)
+    heads = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+    base = {"TILE_N": 32, "num_warps": 4, "num_stages": 1}
+    a = block_sparse_attention(q, k, v, index, heads=heads, out=torch.zeros_like(q), lse=torch.zeros(2, 6, 90, device=DEVICE), config=base)
+    b = block_sparse_attention(q, k, v, index, heads=heads, out=torch.zeros_like(q), lse=torch.zeros(2, 6, 90, device=DEVICE),
+                               config=base | variant)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("head_space", ["query", "kv"])
