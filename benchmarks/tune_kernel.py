@@ -18,15 +18,26 @@ import torch.nn.functional as F
 
 from benchmarks.kernels import bench, computed_density
 from sparsesearch.kernels import block_sparse_attention
-from sparsesearch.patterns import block_topk, dense
+from sparsesearch.patterns import block_topk, dense, vertical_slash
 
 
-def indices(q, k, n: int, block: int, densities: list[float]) -> dict:
-    """The dense index and one block top-k index per density (k_blocks = density x a causal row's mean blocks)."""
+def indices(q, k, n: int, block: int, densities: list[float], vs: list[str]) -> dict:
+    """The dense index, one block top-k index per density (k_blocks = density x a causal row's mean blocks) and
+    one planted vertical-slash index per "V,S" (V columns, the first 30 forced, and the S nearest diagonals, as
+    benchmarks/kernels.py plants them; 64 x 64 blocks: the column gathers are what they measure)."""
     out = {"dense": dense.build_index(dense.DenseParams(), n, heads=k.shape[1], block_m=block, block_n=block, head_space="kv", device="cuda")}
     for d in densities:
         params = block_topk.BlockTopKParams(k_blocks=max(1, round(d * n / block / 2)))
         out[f"topk{round(d * 100)}"] = block_topk.build_index(params, q, k, head_space="kv", block_m=block, block_n=block)
+    gen = torch.Generator().manual_seed(0)
+    for spec in vs:
+        n_vert, n_slash = (int(x) for x in spec.split(","))
+        vert = torch.cat([torch.arange(30), 30 + torch.randperm(n - 30, generator=gen)[: n_vert - 30]]).sort().values
+        lines = vertical_slash.VSLines(
+            vertical=vert.cuda().expand(1, k.shape[1], -1).contiguous(),
+            slash=torch.arange(n_slash, device="cuda").expand(1, k.shape[1], -1).contiguous(), q_len=n, kv_len=n, head_space="kv",
+        )
+        out[f"vs{n_vert}v{n_slash}s"] = vertical_slash.index_from_lines(lines, block_m=64, block_n=64)
     return out
 
 
@@ -34,11 +45,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, nargs="+", default=[32768])
     parser.add_argument("--block", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--density", type=float, nargs="+", default=[0.25])
+    parser.add_argument("--density", type=float, nargs="*", default=[0.25])
     parser.add_argument("--tile", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--tma", choices=["off", "on"], nargs="+", default=["off", "on"])
+    parser.add_argument("--vs", nargs="*", default=[], help="planted vertical-slash indexes, each 'V,S'")
     args = parser.parse_args()
     heads, kv_heads, dim = 32, 8, 128
     for n in args.n:
@@ -50,7 +62,7 @@ def main() -> None:
         flops = 4 * n * n / 2 * dim * heads
         print(f"N {n} SDPA {t_sdpa:.3f} ms {flops / t_sdpa / 1e9:.0f} TFLOP/s", flush=True)
         for block in args.block:
-            for name, index in indices(q, k, n, block, args.density).items():
+            for name, index in indices(q, k, n, block, args.density, args.vs).items():
                 dens = computed_density(index, n)
                 for tile_n, warps, stages, tma in itertools.product(args.tile, args.warps, args.stages, args.tma):
                     if tile_n > block:
