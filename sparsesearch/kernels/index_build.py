@@ -1,0 +1,253 @@
+"""Fused dynamic-index builds (Triton): estimate, top-k and packing straight into the BlockIndex layout.
+
+The torch builds (patterns/block_topk.py, patterns/vertical_slash.py) are the reference: about eighty
+small launches, sorts over [B, H, QB, KB] and fp32 score matrices in HBM. At 8K tokens that is 0.7-1.1 ms
+on an H200 even replayed from a CUDA graph, against ~0.93 ms for all of SDPA (issue 14 §2). Here the same
+indices come from two launches per pattern, with no host sync and no data-dependent shape, so a build
+can be captured in a CUDA graph (graphed.py) and is cheap when it is not.
+
+Block top-k:
+
+1. ``_pool_rows``: mean of every key block's valid rows, fp32 [B, Hkv, KB, BLOCK_D] (padded dims 0).
+2. ``_block_topk_select``: one program per (batch, index head, query block). It pools its query block
+   itself (each query row is read by one program only), scores the key blocks (query head space: its own
+   pooled query; kv head space: each of the GQA group's pooled queries, softmax over the open blocks with
+   scale 1/sqrt(D), probabilities summed), keeps the forced blocks (sinks and the diagonal ones) and the
+   ``k_blocks`` best open blocks, ties to the lower block id, and writes the full/partial lists ascending,
+   0-padded to the static width KB (= ``static_widths=True``), plus the bool block selection
+   [B, H, QB, KB] that ``meta["selection"]`` carries.
+
+The top-k is an exact threshold search, not a sort: scores map to order-preserving int32 keys, 32 rounds
+of bisection find the k-th largest key, blocks above it win and the tied ones are taken in id order
+(a prefix count) until k are chosen. That is O(32 KB) per program whatever k is, and it reproduces the
+reference's stable sort exactly.
+
+Identity frame only (queries bottom-right aligned, q_len <= kv_len); the callers keep the torch path for
+a permuted region (row_pos) and for inputs ``fusable`` refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..index import BlockIndex, num_blocks
+from ._common import SUPPORTED_DTYPES, block_d
+
+# Longest key axis, in key blocks, a select program holds in registers (128K keys at block_n 64); past it
+# the torch build runs. Issue 14 §2's target is the short contexts, KB <= 512.
+MAX_KEY_BLOCKS = 2048
+FUSED_PATTERNS = ("block_topk",)  # patterns whose build_index takes ``fused``
+
+
+@triton.jit
+def _pool_rows(
+    X, OUT, length, heads, stride_xb, stride_xh, stride_xn,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """OUT[b, h, blk, :] = mean of x[b, h, blk*BLOCK : min(length, (blk+1)*BLOCK), :] in fp32."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xn + offs_d[None, :]
+    tile = tl.load(ptrs, mask=(rows < length)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
+    out = OUT + (bh.to(tl.int64) * tl.num_programs(0) + blk) * BLOCK_D + offs_d
+    tl.store(out, tl.sum(tile, 0) / count)
+
+
+@triton.jit
+def _pooled_scores(
+    q_base, stride_qn, start, q_len, pk_base, kb, kb_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, KB_P2: tl.constexpr,
+):
+    """[KB_P2] fp32: mean of q rows [start, min(q_len, start + BLOCK_M)) . every pooled key block.
+
+    Walks the head dim CHUNK_D at a time so the pooled-key tile [KB_P2, CHUNK_D] stays in registers.
+    """
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    count = tl.minimum(q_len - start, BLOCK_M).to(tl.float32)
+    scores = tl.zeros([KB_P2], dtype=tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+        offs_d = d0 + tl.arange(0, CHUNK_D)
+        qt = tl.load(q_base + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
+                     mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+        pooled_q = tl.sum(qt, 0) / count  # [CHUNK_D], as the reference: sum, then divide
+        kt = tl.load(pk_base + kb.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :], mask=kb_ok[:, None], other=0.0)
+        scores += tl.sum(kt * pooled_q[None, :], 1)
+    return scores
+
+
+@triton.jit
+def _top_take(scores, eligible, take):
+    """bool like ``scores``: the ``take`` best eligible entries, ties to the lower position (the reference's
+    stable descending sort). Needs take <= eligible count.
+
+    Floats map to int32 keys in the same order (negative values get their magnitude bits flipped; -0 is
+    made +0 first, since the sort ties them); 32 bisection rounds over the int32 range find the largest
+    threshold with at least ``take`` keys at or above it, i.e. the take-th largest key.
+    """
+    scores = tl.where(scores == 0.0, 0.0, scores)
+    bits = scores.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    lo = take.to(tl.int64) * 0 - 2147483648
+    hi = lo + 4294967295
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = eligible & (key > lo)
+    tied = eligible & (key == lo)
+    rank = tl.cumsum(tied.to(tl.int32), 0)  # 1-based among the tied, in id order
+    quota = take - tl.sum(above.to(tl.int32), 0)
+    return above | (tied & (rank <= quota))
+
+
+@triton.jit
+def _store_list(cnt_ptr, idx_ptr, chosen, ids, ids_ok):
+    """Write the ids where ``chosen`` ascending to idx_ptr[0:n], 0 to idx_ptr[n:len(ids)], n to cnt_ptr."""
+    n = tl.sum(chosen.to(tl.int32), 0)
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(cnt_ptr, n)
+    tl.store(idx_ptr + ids, tl.zeros_like(ids), mask=ids_ok & (ids >= n))
+    tl.store(idx_ptr + slot, ids, mask=chosen)
+
+
+@triton.jit
+def _block_topk_select(
+    Q, PK, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BLOCKS,
+    q_len, kv_len, kv_blocks, k_blocks, sink_blocks, scale, heads, kv_heads,
+    stride_qb, stride_qh, stride_qn,
+    GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_P2: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)  # b * heads + h, h in the index's head space
+    b = bh // heads
+    h = bh % heads
+    kv_h = h if PER_KV else h // GROUP
+    first = qb * BLOCK_M + kv_len - q_len
+    last = tl.minimum(q_len, (qb + 1) * BLOCK_M) - 1 + kv_len - q_len
+    kb = tl.arange(0, KB_P2)
+    kb_ok = kb < kv_blocks
+    causal = kb_ok & (kb * BLOCK_N <= last)
+    forced = causal & ((kb < sink_blocks) | (kb >= first // BLOCK_N))
+    open_ = causal & ~forced
+    pk_base = PK + (b * kv_heads + kv_h).to(tl.int64) * kv_blocks * BLOCK_D
+    q_b = Q + b.to(tl.int64) * stride_qb
+    if PER_KV:
+        # The group's per-head probabilities over the open blocks, summed: a head's favourite block gets
+        # ~1 whatever its logit scale (block_topk.select). No open block: all 0 (the reference's nan -> 0).
+        scores = tl.zeros([KB_P2], dtype=tl.float32)
+        for g in range(GROUP):
+            q_base = q_b + (kv_h * GROUP + g).to(tl.int64) * stride_qh
+            logits = _pooled_scores(q_base, stride_qn, qb * BLOCK_M, q_len, pk_base, kb, kb_ok,
+                                    HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, KB_P2) * scale
+            logits = tl.where(open_, logits, float("-inf"))
+            top = tl.max(logits, 0)
+            p = tl.exp(logits - tl.where(top == float("-inf"), 0.0, top))
+            total = tl.sum(p, 0)
+            scores += p / tl.where(total == 0.0, 1.0, total)
+    else:
+        scores = _pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qn, qb * BLOCK_M, q_len, pk_base, kb, kb_ok,
+                                HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, KB_P2)
+    take = tl.minimum(k_blocks, tl.sum(open_.to(tl.int32), 0))
+    chosen = forced | _top_take(scores, open_, take)
+    top_key = (kb + 1) * BLOCK_N - 1
+    is_full = (top_key <= first) & (top_key < kv_len)
+    row = bh.to(tl.int64) * tl.num_programs(0) + qb
+    _store_list(FULL_CNT + row, FULL_IDX + row * kv_blocks, chosen & is_full, kb, kb_ok)
+    _store_list(PART_CNT + row, PART_IDX + row * kv_blocks, chosen & ~is_full, kb, kb_ok)
+    tl.store(BLOCKS + row * kv_blocks + kb, chosen, mask=kb_ok)
+
+
+def fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.Tensor | None) -> str | None:
+    """Why the fused build cannot take these inputs (None: it can). q [B, Hq, Nq, D], k [B, Hkv, Nk, D]."""
+    if row_pos is not None:
+        return "a permuted region (row_pos) takes the torch build"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
+        return f"dtypes {q.dtype}/{k.dtype} are not float16/bfloat16/float32"
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return "q and k must be contiguous in head_dim"
+    if q.device != k.device:
+        return f"q is on {q.device}, k on {k.device}"
+    if q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} > 256"
+    if num_blocks(k.shape[2], block_n) > MAX_KEY_BLOCKS:
+        return f"{num_blocks(k.shape[2], block_n)} key blocks > {MAX_KEY_BLOCKS}"
+    return None
+
+
+def wants_fused(fused: bool | None, static_widths: bool, q: torch.Tensor, k: torch.Tensor, block_n: int,
+                row_pos: torch.Tensor | None) -> bool:
+    """Whether a pattern's build_index takes the fused path: ``fused`` None on CUDA tensors that ``fusable``
+    accepts with static widths, True always (ValueError naming why it cannot), False never."""
+    if fused is False:
+        return False
+    why = fusable(q, k, block_n, row_pos) if static_widths else "the fused build has static widths only (static_widths=True)"
+    if fused is None:
+        return why is None and q.is_cuda
+    if why is not None:
+        raise ValueError(f"fused index build refused: {why}")
+    return True
+
+
+def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 [B, H, ceil(N / block), BLOCK_D]: means of consecutive blocks of rows of x [B, H, N, D] (valid
+    rows only), head dim padded with 0 to the next power of two."""
+    batch, heads, length, dim = x.shape
+    blocks = num_blocks(length, block)
+    out = torch.empty(batch, heads, blocks, block_d(dim), dtype=torch.float32, device=x.device)
+    _pool_rows[(blocks, batch * heads)](
+        x, out, length, heads, *x.stride()[:3], HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def _select_config(kv_blocks: int, head_dim: int) -> dict:
+    """KB_P2 lanes per program; CHUNK_D keeps the pooled-key tile at <= 8K fp32 registers; more warps for
+    long key axes (the 32 bisection rounds reduce over KB_P2)."""
+    kb_p2 = triton.next_power_of_2(max(kv_blocks, 16))
+    chunk = max(1, min(block_d(head_dim), 8192 // kb_p2))
+    return {"KB_P2": kb_p2, "CHUNK_D": chunk, "num_warps": 4 if kb_p2 <= 256 else 8}
+
+
+def block_topk_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_blocks: int,
+    sink_blocks: int,
+    *,
+    head_space: str = "query",
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[BlockIndex, torch.Tensor]:
+    """Block top-k index of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (Nq <= Nk, bottom-right causal) with
+    static widths KB, and the bool selection [B, H, QB, KB] it lists; H = Hq ("query") or Hkv ("kv").
+    Equal to ``block_topk.build_index(..., static_widths=True)`` where no two scores of a row are within
+    rounding of each other (the pooled means and dots are summed in another order). Inputs are checked by
+    the caller (block_topk.select's checks and ``fusable``)."""
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    heads = kv_heads if head_space == "kv" else q_heads
+    q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
+    pooled_k = pool_blocks(k, block_n)
+    device = q.device
+    counts = torch.empty(2, batch, heads, q_blocks, dtype=torch.int32, device=device)
+    lists = torch.empty(2, batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=device)
+    blocks = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.bool, device=device)
+    _block_topk_select[(q_blocks, batch * heads)](
+        q, pooled_k, counts[0], lists[0], counts[1], lists[1], blocks,
+        q_len, kv_len, kv_blocks, k_blocks, sink_blocks, 1.0 / dim**0.5, heads, kv_heads, *q.stride()[:3],
+        GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        **_select_config(kv_blocks, dim),
+    )
+    index = BlockIndex(counts[0], lists[0], counts[1], lists[1], block_m, block_n, head_space)
+    return index, blocks
