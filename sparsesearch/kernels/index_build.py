@@ -62,24 +62,29 @@ def _pool_rows(
 
 @triton.jit
 def _pooled_scores(
-    q_base, stride_qn, start, q_len, pk_base, kb, kb_ok,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, KB_P2: tl.constexpr,
+    q_base, stride_qh, stride_qn, n_heads, start, q_len, pk_base, kb, kb_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEADS_P2: tl.constexpr, KB_P2: tl.constexpr,
 ):
-    """[KB_P2] fp32: mean of q rows [start, min(q_len, start + BLOCK_M)) . every pooled key block.
+    """[HEADS_P2, KB_P2] fp32: for each of ``n_heads`` query heads from q_base, the mean of its q rows
+    [start, min(q_len, start + BLOCK_M)) . every pooled key block (rows past n_heads: 0).
 
-    Walks the head dim CHUNK_D at a time so the pooled-key tile [KB_P2, CHUNK_D] stays in registers.
+    Walks the head dim CHUNK_D at a time so the [HEADS_P2, KB_P2, CHUNK_D] product stays in registers;
+    each pooled-key chunk is loaded once for all the heads.
     """
+    heads = tl.arange(0, HEADS_P2)
     rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    row_ok = (heads < n_heads)[:, None] & (rows < q_len)[None, :]
     count = tl.minimum(q_len - start, BLOCK_M).to(tl.float32)
-    scores = tl.zeros([KB_P2], dtype=tl.float32)
+    row_off = heads.to(tl.int64)[:, None] * stride_qh + rows.to(tl.int64)[None, :] * stride_qn  # [HEADS_P2, BLOCK_M]
+    scores = tl.zeros([HEADS_P2, KB_P2], dtype=tl.float32)
     for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):
         offs_d = d0 + tl.arange(0, CHUNK_D)
-        qt = tl.load(q_base + rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :],
-                     mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-        pooled_q = tl.sum(qt, 0) / count  # [CHUNK_D], as the reference: sum, then divide
+        qt = tl.load(q_base + row_off[:, :, None] + offs_d[None, None, :],
+                     mask=row_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0).to(tl.float32)
+        pooled_q = tl.sum(qt, 1) / count  # [HEADS_P2, CHUNK_D], as the reference: sum, then divide
         kt = tl.load(pk_base + kb.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :], mask=kb_ok[:, None], other=0.0)
-        scores += tl.sum(kt * pooled_q[None, :], 1)
+        scores += tl.sum(pooled_q[:, None, :] * kt[None, :, :], 2)
     return scores
 
 
@@ -125,7 +130,7 @@ def _block_topk_select(
     q_len, kv_len, kv_blocks, k_blocks, sink_blocks, scale, heads, kv_heads,
     stride_qb, stride_qh, stride_qn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_P2: tl.constexpr,
+    CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_P2: tl.constexpr, KB_P2: tl.constexpr,
 ):
     qb = tl.program_id(0)
     bh = tl.program_id(1)  # b * heads + h, h in the index's head space
@@ -144,19 +149,16 @@ def _block_topk_select(
     if PER_KV:
         # The group's per-head probabilities over the open blocks, summed: a head's favourite block gets
         # ~1 whatever its logit scale (block_topk.select). No open block: all 0 (the reference's nan -> 0).
-        scores = tl.zeros([KB_P2], dtype=tl.float32)
-        for g in range(GROUP):
-            q_base = q_b + (kv_h * GROUP + g).to(tl.int64) * stride_qh
-            logits = _pooled_scores(q_base, stride_qn, qb * BLOCK_M, q_len, pk_base, kb, kb_ok,
-                                    HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, KB_P2) * scale
-            logits = tl.where(open_, logits, float("-inf"))
-            top = tl.max(logits, 0)
-            p = tl.exp(logits - tl.where(top == float("-inf"), 0.0, top))
-            total = tl.sum(p, 0)
-            scores += p / tl.where(total == 0.0, 1.0, total)
+        logits = _pooled_scores(q_b + (kv_h * GROUP).to(tl.int64) * stride_qh, stride_qh, stride_qn, GROUP, qb * BLOCK_M,
+                                q_len, pk_base, kb, kb_ok, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2) * scale
+        logits = tl.where(open_[None, :], logits, float("-inf"))
+        top = tl.max(logits, 1)
+        p = tl.exp(logits - tl.where(top == float("-inf"), 0.0, top)[:, None])
+        total = tl.sum(p, 1)
+        scores = tl.sum(p / tl.where(total == 0.0, 1.0, total)[:, None], 0)
     else:
-        scores = _pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qn, qb * BLOCK_M, q_len, pk_base, kb, kb_ok,
-                                HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, KB_P2)
+        scores = tl.sum(_pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qh, stride_qn, 1, qb * BLOCK_M, q_len, pk_base,
+                                       kb, kb_ok, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2), 0)
     take = tl.minimum(k_blocks, tl.sum(open_.to(tl.int32), 0))
     chosen = forced | _top_take(scores, open_, take)
     top_key = (kb + 1) * BLOCK_N - 1
@@ -210,12 +212,13 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-def _select_config(kv_blocks: int, head_dim: int) -> dict:
-    """KB_P2 lanes per program; CHUNK_D keeps the pooled-key tile at <= 8K fp32 registers; more warps for
-    long key axes (the 32 bisection rounds reduce over KB_P2)."""
+def _select_config(kv_blocks: int, head_dim: int, heads: int) -> dict:
+    """KB_P2 lanes per program, HEADS_P2 query heads scored together; CHUNK_D keeps the [heads, KB, chunk]
+    product at <= 8K fp32 registers; more warps for long key axes (the 32 bisection rounds reduce over KB_P2)."""
     kb_p2 = triton.next_power_of_2(max(kv_blocks, 16))
-    chunk = max(1, min(block_d(head_dim), 8192 // kb_p2))
-    return {"KB_P2": kb_p2, "CHUNK_D": chunk, "num_warps": 4 if kb_p2 <= 256 else 8}
+    heads_p2 = triton.next_power_of_2(heads)
+    chunk = max(1, min(block_d(head_dim), 8192 // (kb_p2 * heads_p2)))
+    return {"KB_P2": kb_p2, "HEADS_P2": heads_p2, "CHUNK_D": chunk, "num_warps": 4 if kb_p2 <= 256 else 8}
 
 
 def block_topk_index(
@@ -247,7 +250,7 @@ def block_topk_index(
         q, pooled_k, counts[0], lists[0], counts[1], lists[1], blocks,
         q_len, kv_len, kv_blocks, k_blocks, sink_blocks, 1.0 / dim**0.5, heads, kv_heads, *q.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        **_select_config(kv_blocks, dim),
+        **_select_config(kv_blocks, dim, group if head_space == "kv" else 1),
     )
     index = BlockIndex(counts[0], lists[0], counts[1], lists[1], block_m, block_n, head_space)
     return index, blocks
