@@ -54,10 +54,16 @@ def fused_build(g: HeadGroup, q, k, *, fused: bool) -> Callable[[], BlockIndex]:
 
 
 def has_fused(g: HeadGroup, q, k) -> bool:
-    """Whether the pattern's build_index takes ``fused`` and the fused kernels take these inputs."""
-    from sparsesearch.kernels.index_build import FUSED_PATTERNS, fusable
+    """Whether the pattern has a fused build and it takes these inputs (one build, refused or not)."""
+    from sparsesearch.kernels.index_build import FUSED_PATTERNS
 
-    return g.pattern in FUSED_PATTERNS and fusable(q, k, g.block_n, None) is None
+    if g.pattern not in FUSED_PATTERNS:
+        return False
+    try:
+        fused_build(g, q, k, fused=True)()
+    except ValueError:
+        return False
+    return True
 
 
 def graphed_torch(g: HeadGroup, q, k) -> Callable[[], BlockIndex]:

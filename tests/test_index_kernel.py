@@ -17,7 +17,7 @@ import torch
 from sparsesearch.index import validate
 from sparsesearch.kernels.block_sparse import block_sparse_attention
 from sparsesearch.kernels.index_build import pool_blocks
-from sparsesearch.patterns import block_topk
+from sparsesearch.patterns import block_topk, vertical_slash
 
 LISTS = ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
 DIM = 64
@@ -167,3 +167,128 @@ def test_benchmark_helpers_on_cpu():
     row |= {f"{c}_ms": None if c == "index_fused" else 1.0 for c in bench.COLUMNS}
     lines = bench.table([row]).splitlines()
     assert len(lines) == 2 and all(c in lines[0] for c in bench.COLUMNS) and " - " in lines[1]
+
+
+# ------------------------------------------------------------------------------------------ vertical-slash
+#
+# The estimate's column and diagonal sums are sums of softmax probabilities: no planting makes them exact
+# in two implementations. The data is random instead, and each case first checks on the torch sums that
+# the top-k boundary (the take-th vs the next value of every head) is far from a tie (1e-4 relative, fp32
+# rounding is ~1e-6), trying a few seeds; the index must then be equal exactly. Exact ties get their own
+# test (q = 0: uniform rows, so every fully visible column and diagonal ties in both implementations).
+
+
+def boundary_gap(sums, take: int, force: int) -> float:
+    """Smallest relative gap, over heads, between the take-th and the next largest of sums [B, H, N] with
+    the first ``force`` entries forced (+inf); inf when every entry is taken."""
+    sums = sums.clone()
+    sums[..., :force] = float("inf")
+    if take >= sums.shape[-1]:
+        return float("inf")
+    top = sums.sort(dim=-1, descending=True).values
+    edge, after = top[..., take - 1], top[..., take]
+    return float(((edge - after) / after.abs().clamp(min=1e-30)).min())
+
+
+def separated_qk(params, batch, q_heads, kv_heads, q_len, kv_len, space, dtype=torch.float32):
+    """Random q, k whose vertical and slash top-k boundaries are not near-ties (see above)."""
+    from sparsesearch.patterns._common import last_q_sums
+
+    for seed in range(8):
+        gen = torch.Generator().manual_seed(seed)
+        q = (torch.randn(batch, q_heads, q_len, DIM, generator=gen) * 2).to(dtype)
+        k = torch.randn(batch, kv_heads, kv_len, DIM, generator=gen).to(dtype)
+        cols, diag = last_q_sums(q, k, params.last_q, head_space=space)
+        v, s = min(params.vertical_size, kv_len), min(params.slash_size, kv_len)
+        gaps = (boundary_gap(cols, v, vertical_slash.forced(params.force_vertical, params.vertical_size)),
+                boundary_gap(diag, s, vertical_slash.forced(params.force_slash, params.slash_size)))
+        if min(gaps) > 1e-4:
+            return q, k
+    raise AssertionError("no seed gives separated top-k boundaries; pick other shapes")
+
+
+def vs_pair(params, q, k, space, block_m=16, block_n=32):
+    kw = dict(head_space=space, block_m=block_m, block_n=block_n, static_widths=True)
+    return vertical_slash.build_index(params, q, k, fused=True, **kw), vertical_slash.build_index(params, q, k, fused=False, **kw)
+
+
+def assert_same_lines(got, want):
+    a, b = got.meta["lines"], want.meta["lines"]
+    assert torch.equal(a.vertical, b.vertical) and torch.equal(a.slash, b.slash)
+    assert (a.q_len, a.kv_len, a.head_space) == (b.q_len, b.kv_len, b.head_space)
+
+
+VS_CASES = [  # (group, q_len, kv_len, vertical_size, slash_size, last_q)
+    (1, 200, 200, 24, 16, 16),
+    (2, 333, 333, 40, 30, 64),
+    (4, 133, 333, 24, 16, 16),
+    (2, 200, 333, 1000, 8, 16),  # every column a vertical
+    (1, 1, 77, 8, 8, 64),  # one query row: last_q cut to it
+]
+
+
+@pytest.mark.parametrize("space", ["query", "kv"])
+@pytest.mark.parametrize("group, q_len, kv_len, vertical, slash, last_q", VS_CASES)
+def test_fused_vertical_slash_equals_torch(space, group, q_len, kv_len, vertical, slash, last_q):
+    params = vertical_slash.VerticalSlashParams(vertical_size=vertical, slash_size=slash, last_q=last_q,
+                                                force_vertical=3, force_slash=2)
+    q, k = separated_qk(params, 2, 2 * group, 2, q_len, kv_len, space)
+    got, want = vs_pair(params, q, k, space)
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+    assert got.meta["fused"]
+    validate(got, q_len, kv_len)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("space", ["query", "kv"])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("q_len, kv_len", [(200, 200), (333, 333), (133, 333)])
+@pytest.mark.parametrize("vertical, slash, force", [(24, 16, 0), (40, 30, 5), (1000, 1000, 30)])
+@pytest.mark.parametrize("block_m, block_n", [(16, 32), (32, 16), (64, 64)])
+def test_fused_vertical_slash_equals_torch_sweep(space, group, q_len, kv_len, vertical, slash, force, block_m, block_n):
+    params = vertical_slash.VerticalSlashParams(vertical_size=vertical, slash_size=slash, last_q=64,
+                                                force_vertical=force, force_slash=force)
+    q, k = separated_qk(params, 2, 2 * group, 2, q_len, kv_len, space)
+    got, want = vs_pair(params, q, k, space, block_m, block_n)
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+
+
+def test_fused_vertical_slash_bf16_inputs():
+    params = vertical_slash.VerticalSlashParams(vertical_size=24, slash_size=16, last_q=16, force_vertical=2, force_slash=2)
+    q, k = separated_qk(params, 2, 4, 2, 200, 200, "kv", dtype=torch.bfloat16)
+    got, want = vs_pair(params, q, k, "kv")
+    assert_same_index(got, want)
+
+
+@pytest.mark.parametrize("space", ["query", "kv"])
+def test_fused_vertical_slash_ties_go_to_the_lower_line(space):
+    """q = 0: every row is uniform, so all columns and offsets that every estimate row sees tie; the
+    lowest ids win after the forced ones (which are the lowest too)."""
+    params = vertical_slash.VerticalSlashParams(vertical_size=6, slash_size=5, last_q=16, force_vertical=2, force_slash=1)
+    q, k = torch.zeros(1, 2, 160, DIM), torch.randn(1, 1, 160, DIM, generator=torch.Generator().manual_seed(0))
+    got, want = vs_pair(params, q, k, space)
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+    lines = got.meta["lines"]
+    assert lines.vertical[0, 0].tolist() == list(range(6)) and lines.slash[0, 0].tolist() == list(range(5))
+
+
+def test_fused_vertical_slash_index_drives_the_kernel_like_the_torch_index():
+    params = vertical_slash.VerticalSlashParams(vertical_size=24, slash_size=16, last_q=16, force_vertical=2, force_slash=2)
+    q, k = separated_qk(params, 2, 4, 2, 200, 333, "kv")
+    v = torch.randn(2, 2, 333, DIM, generator=torch.Generator().manual_seed(13))
+    got, want = vs_pair(params, q, k, "kv")
+    out_fused, lse_fused = block_sparse_attention(q, k, v, got)
+    out_torch, lse_torch = block_sparse_attention(q, k, v, want)
+    assert torch.equal(out_fused, out_torch) and torch.equal(lse_fused, lse_torch)
+    assert int(got.col_count.sum()) > 0  # the gathered-column path ran
+
+
+def test_vertical_slash_dispatch():
+    params = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=128)
+    q, k = torch.randn(1, 2, 200, DIM), torch.randn(1, 2, 200, DIM)
+    assert "fused" not in vertical_slash.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
+    with pytest.raises(ValueError, match="last_q 128"):
+        vertical_slash.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True)

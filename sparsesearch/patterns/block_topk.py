@@ -160,11 +160,11 @@ def build_index(
     fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort) for a static-widths
     build; None uses it on CUDA tensors where ``fusable`` accepts the inputs (else this torch build, the
     reference), True insists (ValueError when it cannot), False never."""
-    from ..kernels.index_build import block_topk_index, wants_fused
+    from ..kernels.index_build import block_topk_index, fusable, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, static_widths, q, k, block_n, row_pos):
+    if wants_fused(fused, static_widths, lambda: fusable(q, k, block_n, row_pos), q):
         index, blocks = block_topk_index(q, k, params.k_blocks, params.sink_blocks, head_space=head_space,
                                          block_m=block_m, block_n=block_n)
         selection = BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space)
