@@ -3,8 +3,9 @@
 The torch builds (patterns/block_topk.py, patterns/vertical_slash.py) are the reference: about eighty
 small launches, sorts over [B, H, QB, KB] and fp32 score matrices in HBM. At 8K tokens that is 0.7-1.1 ms
 on an H200 even replayed from a CUDA graph, against ~0.93 ms for all of SDPA (issue 14 §2). Here the same
-indices come from two launches per pattern, with no host sync and no data-dependent shape, so a build
-can be captured in a CUDA graph (graphed.py) and is cheap when it is not.
+indices come from two (block top-k) or four (vertical-slash) launches, with no host sync and no
+data-dependent shape, so a build can be captured in a CUDA graph (graphed.py) and is cheap when it is not.
+Vertical-slash: see the section comment above ``_vs_row_stats``.
 
 Block top-k:
 
@@ -17,13 +18,14 @@ Block top-k:
    0-padded to the static width KB (= ``static_widths=True``), plus the bool block selection
    [B, H, QB, KB] that ``meta["selection"]`` carries.
 
-The top-k is an exact threshold search, not a sort: scores map to order-preserving int32 keys, 32 rounds
+Every top-k here (key blocks, vertical columns, slash offsets) is an exact threshold search, not a sort: scores map to order-preserving int32 keys, 32 rounds
 of bisection find the k-th largest key, blocks above it win and the tied ones are taken in id order
 (a prefix count) until k are chosen. That is O(32 KB) per program whatever k is, and it reproduces the
 reference's stable sort exactly.
 
 Identity frame only (queries bottom-right aligned, q_len <= kv_len); the callers keep the torch path for
-a permuted region (row_pos) and for inputs ``fusable`` refuses.
+a permuted region (row_pos) and for inputs ``fusable`` / ``vs_fusable`` refuse. The kernels never read a
+token x token tensor; the vertical-slash estimate never writes its [last_q, Nk] probabilities to HBM.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def _top_take(scores, eligible, take):
     scores = tl.where(scores == 0.0, 0.0, scores)
     bits = scores.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    lo = take.to(tl.int64) * 0 - 2147483648
-    hi = lo + 4294967295
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
     for _ in tl.static_range(32):
         mid = lo + (hi - lo + 1) // 2
         enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
@@ -380,16 +382,16 @@ def _vs_top(
     lanes = tl.arange(0, NK_P2)
     ok = lanes < kv_len
     row = bh.to(tl.int64) * kv_len
+    # Scalars by tl.where, not in the branches: an int argument equal to 1 may arrive as a constant, and
+    # both branches of an if must give a variable the same type.
+    take = tl.where(slash, n_slash, n_vert)
+    force = tl.where(slash, force_slash, force_vert)
     if slash:
         src = DIAG
         out = SLASH + bh.to(tl.int64) * n_slash
-        take = n_slash
-        force = force_slash
     else:
         src = COLS
         out = VERT + bh.to(tl.int64) * n_vert
-        take = n_vert
-        force = force_vert
     scores = tl.load(src + row + lanes, mask=ok, other=0.0)
     scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
     chosen = _top_take(scores, ok, take)  # exactly ``take`` lines: take <= kv_len
@@ -488,7 +490,8 @@ def vertical_slash_index(
         q, k, stats[0], stats[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE,
-        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=triton.next_power_of_2(chunks), **dot, num_warps=4,
+        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=triton.next_power_of_2(chunks), **dot,
+        num_warps=4 if r_p2 <= 32 else 8,  # [64, 128] probabilities + their skewed gather at last_q 64
     )
     n_vert, n_slash = min(vertical_size, kv_len), min(slash_size, kv_len)
     vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
