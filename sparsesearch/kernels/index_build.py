@@ -290,6 +290,14 @@ def _vs_scores(q, k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM: tl.constexp
 
 
 @triton.jit
+def _tail_rows(Q, b, h, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM: tl.constexpr):
+    """The last ``rows`` query rows of (b, h), [len(r), len(offs_d)] (lanes r >= rows and dims past HEAD_DIM: 0)."""
+    q_rows = q_len - rows + r
+    ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    return tl.load(ptrs, mask=(r < rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _vs_row_stats(
     Q, K, M, L, q_len, kv_len, rows, q_heads, scale,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
@@ -302,9 +310,7 @@ def _vs_row_stats(
     h = bh % q_heads
     r = tl.arange(0, R_P2)
     offs_d = tl.arange(0, BLOCK_D)
-    q_rows = q_len - rows + r
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(r < rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q = _tail_rows(Q, b, h, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
     pos = kv_len - rows + r
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
     m_i = tl.full([R_P2], float("-inf"), dtype=tl.float32)
@@ -359,9 +365,7 @@ def _vs_sums(
         m = tl.max(m_c, 0)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
-        q_rows = q_len - rows + r
-        q_ptrs = Q + b.to(tl.int64) * stride_qb + qh.to(tl.int64) * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=(r < rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
         s = _vs_scores(q, k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM, DOT_F32, IEEE) * scale
         prob = tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
         cols += tl.sum(tl.where((w < TILE)[None, :], prob, 0.0), 0)
