@@ -17,6 +17,7 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shlex
 import sys
@@ -54,10 +55,9 @@ def fused_build(g: HeadGroup, q, k, *, fused: bool) -> Callable[[], BlockIndex]:
 
 
 def has_fused(g: HeadGroup, q, k) -> bool:
-    """Whether the pattern has a fused build and it takes these inputs (one build, refused or not)."""
-    from sparsesearch.kernels.index_build import FUSED_PATTERNS
-
-    if g.pattern not in FUSED_PATTERNS:
+    """Whether the pattern has a fused build (its build_index takes ``fused``) and it takes these inputs
+    (one build, refused or not)."""
+    if "fused" not in inspect.signature(pattern(g.pattern).build_index).parameters:
         return False
     try:
         fused_build(g, q, k, fused=True)()

@@ -40,7 +40,6 @@ from ._common import SUPPORTED_DTYPES, block_d, dot_f32
 # Longest key axis, in key blocks, a select program holds in registers (128K keys at block_n 64); past it
 # the torch build runs. Issue 14 §2's target is the short contexts, KB <= 512.
 MAX_KEY_BLOCKS = 2048
-FUSED_PATTERNS = ("block_topk", "vertical_slash")  # patterns whose build_index takes ``fused``
 
 
 @triton.jit
