@@ -292,3 +292,24 @@ def test_vertical_slash_dispatch():
     assert "fused" not in vertical_slash.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
     with pytest.raises(ValueError, match="last_q 128"):
         vertical_slash.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True)
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not interpreted) kernels need a GPU")
+
+
+@GPU
+@pytest.mark.parametrize("space", ["query", "kv"])
+def test_fused_builds_on_gpu_equal_torch(space):
+    """The runtime's shapes on the compiled kernels: bf16, head_dim 128, GQA 4, blocks 64 x 64, 2K tokens."""
+    q = planted(1, 8, 2048, 64, seed=21, dtype=torch.bfloat16).cuda()
+    k = torch.cat([planted(1, 2, 2048, 64, seed=22), torch.zeros(1, 2, 2048, 128 - DIM)], -1).to("cuda", torch.bfloat16)
+    q = torch.cat([q, torch.zeros_like(q)], -1)  # head_dim 128, the planted half carries the scores
+    kw = dict(head_space=space, static_widths=True)
+    params = block_topk.BlockTopKParams(k_blocks=3, sink_blocks=1)
+    assert_same_index(block_topk.build_index(params, q, k, **kw), block_topk.build_index(params, q, k, fused=False, **kw))
+    vs = vertical_slash.VerticalSlashParams(vertical_size=64, slash_size=128, last_q=64, force_vertical=30, force_slash=64)
+    q, k = separated_qk(vs, 1, 8, 2, 1024, 1024, space)
+    q, k = q.cuda(), k.cuda()
+    got, want = vertical_slash.build_index(vs, q, k, **kw), vertical_slash.build_index(vs, q, k, fused=False, **kw)
+    assert got.meta["fused"]
+    assert_same_index(got, want)
