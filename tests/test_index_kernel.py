@@ -117,9 +117,9 @@ def test_fused_block_topk_follows_planted_scores():
 def test_pool_blocks_is_the_block_mean():
     x = torch.randn(2, 3, 70, 80)
     pooled = pool_blocks(x, 32)
-    assert pooled.shape == (2, 3, 3, 128)
-    assert torch.allclose(pooled[..., :80], block_topk._pool(x, 32), atol=1e-6)
-    assert not pooled[..., 80:].any()  # padded head dims are 0: they add nothing to a dot
+    assert pooled.shape == (2, 3, 128, 3)  # transposed: [B, H, BLOCK_D, blocks]
+    assert torch.allclose(pooled[:, :, :80].transpose(-1, -2), block_topk._pool(x, 32), atol=1e-6)
+    assert not pooled[:, :, 80:].any()  # padded head dims are 0: they add nothing to a dot
 
 
 def test_fused_index_drives_the_kernel_like_the_torch_index():

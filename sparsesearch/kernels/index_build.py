@@ -9,7 +9,7 @@ Vertical-slash: see the section comment above ``_vs_row_stats``.
 
 Block top-k:
 
-1. ``_pool_rows``: mean of every key block's valid rows, fp32 [B, Hkv, KB, BLOCK_D] (padded dims 0).
+1. ``_pool_rows``: mean of every key block's valid rows, fp32 [B, Hkv, BLOCK_D, KB] (padded dims 0).
 2. ``_block_topk_select``: one program per (batch, index head, query block). It pools its query block
    itself (each query row is read by one program only), scores the key blocks (query head space: its own
    pooled query; kv head space: each of the GQA group's pooled queries, softmax over the open blocks with
@@ -47,7 +47,7 @@ def _pool_rows(
     X, OUT, length, heads, stride_xb, stride_xh, stride_xn,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """OUT[b, h, blk, :] = mean of x[b, h, blk*BLOCK : min(length, (blk+1)*BLOCK), :] in fp32."""
+    """OUT[b, h, :, blk] = mean of x[b, h, blk*BLOCK : min(length, (blk+1)*BLOCK), :] in fp32."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -57,13 +57,14 @@ def _pool_rows(
     ptrs = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xn + offs_d[None, :]
     tile = tl.load(ptrs, mask=(rows < length)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
     count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
-    out = OUT + (bh.to(tl.int64) * tl.num_programs(0) + blk) * BLOCK_D + offs_d
+    # Transposed, [BLOCK_D, blocks] per head: the select kernel reads a few dims of every block at a time.
+    out = OUT + (bh.to(tl.int64) * BLOCK_D + offs_d) * tl.num_programs(0) + blk
     tl.store(out, tl.sum(tile, 0) / count)
 
 
 @triton.jit
 def _pooled_scores(
-    q_base, stride_qh, stride_qn, n_heads, start, q_len, pk_base, kb, kb_ok,
+    q_base, stride_qh, stride_qn, n_heads, start, q_len, pk_base, kb, kb_ok, kv_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HEADS_P2: tl.constexpr, KB_P2: tl.constexpr,
 ):
@@ -84,7 +85,7 @@ def _pooled_scores(
         qt = tl.load(q_base + row_off[:, :, None] + offs_d[None, None, :],
                      mask=row_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0).to(tl.float32)
         pooled_q = tl.sum(qt, 1) / count  # [HEADS_P2, CHUNK_D], as the reference: sum, then divide
-        kt = tl.load(pk_base + kb.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :], mask=kb_ok[:, None], other=0.0)
+        kt = tl.load(pk_base + offs_d.to(tl.int64)[None, :] * kv_blocks + kb[:, None], mask=kb_ok[:, None], other=0.0)
         scores += tl.sum(pooled_q[:, None, :] * kt[None, :, :], 2)
     return scores
 
@@ -151,7 +152,7 @@ def _block_topk_select(
         # The group's per-head probabilities over the open blocks, summed: a head's favourite block gets
         # ~1 whatever its logit scale (block_topk.select). No open block: all 0 (the reference's nan -> 0).
         logits = _pooled_scores(q_b + (kv_h * GROUP).to(tl.int64) * stride_qh, stride_qh, stride_qn, GROUP, qb * BLOCK_M,
-                                q_len, pk_base, kb, kb_ok, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2) * scale
+                                q_len, pk_base, kb, kb_ok, kv_blocks, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2) * scale
         logits = tl.where(open_[None, :], logits, float("-inf"))
         top = tl.max(logits, 1)
         p = tl.exp(logits - tl.where(top == float("-inf"), 0.0, top)[:, None])
@@ -159,7 +160,7 @@ def _block_topk_select(
         scores = tl.sum(p / tl.where(total == 0.0, 1.0, total)[:, None], 0)
     else:
         scores = tl.sum(_pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qh, stride_qn, 1, qb * BLOCK_M, q_len, pk_base,
-                                       kb, kb_ok, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2), 0)
+                                       kb, kb_ok, kv_blocks, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2), 0)
     take = tl.minimum(k_blocks, tl.sum(open_.to(tl.int32), 0))
     chosen = forced | _top_take(scores, open_, take)
     top_key = (kb + 1) * BLOCK_N - 1
@@ -200,11 +201,11 @@ def wants_fused(fused: bool | None, static_widths: bool, refusal, q: torch.Tenso
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """fp32 [B, H, ceil(N / block), BLOCK_D]: means of consecutive blocks of rows of x [B, H, N, D] (valid
-    rows only), head dim padded with 0 to the next power of two."""
+    """fp32 [B, H, BLOCK_D, ceil(N / block)]: means of consecutive blocks of rows of x [B, H, N, D] (valid
+    rows only), transposed, head dim padded with 0 to the next power of two."""
     batch, heads, length, dim = x.shape
     blocks = num_blocks(length, block)
-    out = torch.empty(batch, heads, blocks, block_d(dim), dtype=torch.float32, device=x.device)
+    out = torch.empty(batch, heads, block_d(dim), blocks, dtype=torch.float32, device=x.device)
     _pool_rows[(blocks, batch * heads)](
         x, out, length, heads, *x.stride()[:3], HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK=block, num_warps=4,
     )
@@ -276,16 +277,21 @@ MAX_VS_KEYS = 32768  # keys a _vs_top program holds in registers; longer: the to
 
 
 @triton.jit
-def _vs_scores(q, k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
-    """q [R_P2, BLOCK_D] . k rows ``keys`` (masked to [0, kv_len)) -> fp32 [R_P2, len(keys)]."""
+def _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM: tl.constexpr):
+    """K^T for the rows ``keys`` of one head: [BLOCK_D, len(keys)], rows outside [0, kv_len) 0."""
     ok = (keys >= 0) & (keys < kv_len)
-    kt = tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
-                 mask=ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+    return tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                   mask=ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(q, kt, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+    """q [R, BLOCK_D] . kt [BLOCK_D, N] in fp32, as the reference's fp32 matmul of the upcast inputs."""
     if DOT_F32:
-        return tl.dot(q.to(tl.float32), kt.to(tl.float32))
+        return tl.dot(q.to(tl.float32), kt.to(tl.float32))  # interpreter bf16 dot bug (_common.online_update)
     if IEEE:
         return tl.dot(q, kt, input_precision="ieee")  # fp32 inputs: no tf32, the reference is fp32
-    return tl.dot(q, kt)
+    return tl.dot(q, kt)  # fp16/bf16 products are exact in the fp32 accumulator
 
 
 @triton.jit
@@ -316,7 +322,7 @@ def _vs_row_stats(
     l_i = tl.zeros([R_P2], dtype=tl.float32)
     for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, kv_len), TILE):
         keys = start + tl.arange(0, TILE)
-        s = _vs_scores(q, k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM, DOT_F32, IEEE) * scale
+        s = _dot(q, _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM), DOT_F32, IEEE) * scale
         s = tl.where((keys[None, :] <= pos[:, None]) & (keys < kv_len)[None, :] & (r < rows)[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -352,6 +358,7 @@ def _vs_sums(
     skew = r[:, None] + TILE - 1 - t[None, :]  # [R_P2, TILE]: window slot of row r's key at offset d0 + t
     kv_h = h if PER_KV else h // GROUP
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+    kt = _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM)  # the window's keys serve every head of the group
     c = tl.arange(0, CHUNKS_P2)
     cols = tl.zeros([WIN], dtype=tl.float32)
     diag = tl.zeros([TILE], dtype=tl.float32)
@@ -365,7 +372,7 @@ def _vs_sums(
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
         q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
-        s = _vs_scores(q, k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM, DOT_F32, IEEE) * scale
+        s = _dot(q, kt, DOT_F32, IEEE) * scale
         prob = tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
         cols += tl.sum(tl.where((w < TILE)[None, :], prob, 0.0), 0)
         diag += tl.sum(tl.gather(prob, skew, 1), 0)
