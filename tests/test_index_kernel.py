@@ -292,6 +292,8 @@ def test_vertical_slash_dispatch():
     assert "fused" not in vertical_slash.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
     with pytest.raises(ValueError, match="last_q 128"):
         vertical_slash.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        vertical_slash.build_index(params, q[..., :8], k[..., :8], block_m=16, block_n=16, static_widths=True, fused=True)
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not interpreted) kernels need a GPU")

@@ -453,6 +453,8 @@ def _vs_index(
 def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None) -> str | None:
     """``fusable`` plus the vertical-slash limits (None: the fused build takes these inputs)."""
     why = fusable(q, k, block_n, row_pos)
+    if why is None and q.shape[-1] < 16:
+        why = f"head_dim {q.shape[-1]} < 16 (tl.dot's smallest side)"
     if why is None and min(last_q, q.shape[2]) > MAX_LAST_Q:
         why = f"last_q {last_q} > {MAX_LAST_Q}"
     if why is None and k.shape[2] > MAX_VS_KEYS:
