@@ -6,6 +6,9 @@ launches plus device syncs (the packed lists are as wide as their largest count)
 index + kernel lost to dense on launch overhead alone. Here each (pattern, params, shapes, head space,
 device) is built once with ``static_widths`` (lists as wide as their bound, no sync), captured in a CUDA
 graph, and replayed: per call, two index_select launches into the graph's static inputs and one replay.
+On CUDA the captured build is the fused Triton one (kernels/index_build.py: 2 launches for block top-k, 4
+for vertical-slash, ``build_index(..., static_widths=True)`` picks it) where its kernels take the inputs,
+so the replay saves launch gaps of a few kernels rather than of eighty.
 
 The index a replay returns lives in the graph's static outputs: the next replay of the same entry
 overwrites it. The runtime consumes each index in the launch that follows on the same stream (one head

@@ -33,13 +33,14 @@ lists [B, H, QB, vertical_size]; never a token x token tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..index import BlockIndex, list_width, num_blocks, pack_lists
 from ._common import (
-    ascii_blocks, ascii_mask, causal_entries, check_int, check_lengths, full_block,
+    ascii_blocks, ascii_mask, causal_entries, check_head_space, check_int, check_lengths, check_qk, full_block,
     check_frame, index_entries, last_q_sums, query_block_bounds, top_ids,
 )
 
@@ -170,8 +171,25 @@ def build_index(
     scale: float | None = None,
     row_pos: torch.Tensor | None = None,
     static_widths: bool = False,
+    fused: bool | None = None,
 ) -> BlockIndex:
-    """estimate + index_from_lines (static_widths: no device sync, see there)."""
+    """estimate + index_from_lines (static_widths: no device sync, see there).
+    fused: the Triton build (kernels/index_build.py: four launches, no [last_q, Nk] matrix in HBM, no sort)
+    for a static-widths build; None uses it on CUDA tensors where ``vs_fusable`` accepts the inputs (else
+    this torch build, the reference), True insists (ValueError when it cannot), False never."""
+    from ..kernels.index_build import vertical_slash_index, vs_fusable, wants_fused
+
+    check_head_space(head_space)
+    _, _, q_len, kv_len = check_qk(q, k, row_pos)
+    if wants_fused(fused, static_widths, lambda: vs_fusable(q, k, block_n, params.last_q, row_pos), q):
+        p = params
+        index, vertical, slash = vertical_slash_index(
+            q, k, vertical_size=p.vertical_size, slash_size=p.slash_size, last_q=p.last_q,
+            force_vertical=forced(p.force_vertical, p.vertical_size), force_slash=forced(p.force_slash, p.slash_size),
+            head_space=head_space, block_m=block_m, block_n=block_n, scale=scale,
+        )
+        lines = VSLines(vertical, slash, q_len, kv_len, head_space)
+        return dataclasses.replace(index, meta={"pattern": NAME, "lines": lines, "fused": True})
     lines = estimate(params, q, k, head_space=head_space, scale=scale, row_pos=row_pos)
     return index_from_lines(lines, block_m=block_m, block_n=block_n, static_widths=static_widths)
 

@@ -1,0 +1,527 @@
+"""Fused dynamic-index builds (Triton): estimate, top-k and packing straight into the BlockIndex layout.
+
+The torch builds (patterns/block_topk.py, patterns/vertical_slash.py) are the reference: about eighty
+small launches, sorts over [B, H, QB, KB] and fp32 score matrices in HBM. At 8K tokens that is 0.7-1.1 ms
+on an H200 even replayed from a CUDA graph, against ~0.93 ms for all of SDPA (issue 14 §2). Here the same
+indices come from two (block top-k) or four (vertical-slash) launches, with no host sync and no
+data-dependent shape, so a build can be captured in a CUDA graph (graphed.py) and is cheap when it is not.
+Vertical-slash: see the section comment above ``_vs_row_stats``.
+
+Block top-k:
+
+1. ``_pool_rows``: mean of every key block's valid rows, fp32 [B, Hkv, BLOCK_D, KB] (padded dims 0).
+2. ``_block_topk_select``: one program per (batch, index head, query block). It pools its query block
+   itself (each query row is read by one program only), scores the key blocks (query head space: its own
+   pooled query; kv head space: each of the GQA group's pooled queries, softmax over the open blocks with
+   scale 1/sqrt(D), probabilities summed), keeps the forced blocks (sinks and the diagonal ones) and the
+   ``k_blocks`` best open blocks, ties to the lower block id, and writes the full/partial lists ascending,
+   0-padded to the static width KB (= ``static_widths=True``), plus the bool block selection
+   [B, H, QB, KB] that ``meta["selection"]`` carries.
+
+Every top-k here (key blocks, vertical columns, slash offsets) is an exact threshold search, not a sort: scores map to order-preserving int32 keys, 32 rounds
+of bisection find the k-th largest key, blocks above it win and the tied ones are taken in id order
+(a prefix count) until k are chosen. That is O(32 KB) per program whatever k is, and it reproduces the
+reference's stable sort exactly.
+
+Identity frame only (queries bottom-right aligned, q_len <= kv_len); the callers keep the torch path for
+a permuted region (row_pos) and for inputs ``fusable`` / ``vs_fusable`` refuse. The kernels never read a
+token x token tensor; the vertical-slash estimate never writes its [last_q, Nk] probabilities to HBM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..index import BlockIndex, num_blocks
+from ._common import SUPPORTED_DTYPES, block_d, dot_f32
+
+# Longest key axis, in key blocks, a select program holds in registers (128K keys at block_n 64); past it
+# the torch build runs. Issue 14 §2's target is the short contexts, KB <= 512.
+MAX_KEY_BLOCKS = 2048
+
+
+@triton.jit
+def _pool_rows(
+    X, OUT, length, heads, stride_xb, stride_xh, stride_xn,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """OUT[b, h, :, blk] = mean of x[b, h, blk*BLOCK : min(length, (blk+1)*BLOCK), :] in fp32."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + rows.to(tl.int64)[:, None] * stride_xn + offs_d[None, :]
+    tile = tl.load(ptrs, mask=(rows < length)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    count = tl.minimum(length - blk * BLOCK, BLOCK).to(tl.float32)
+    # Transposed, [BLOCK_D, blocks] per head: the select kernel reads a few dims of every block at a time.
+    out = OUT + (bh.to(tl.int64) * BLOCK_D + offs_d) * tl.num_programs(0) + blk
+    tl.store(out, tl.sum(tile, 0) / count)
+
+
+@triton.jit
+def _pooled_scores(
+    q_base, stride_qh, stride_qn, n_heads, start, q_len, pk_base, kb, kb_ok, kv_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEADS_P2: tl.constexpr, KB_P2: tl.constexpr,
+):
+    """[HEADS_P2, KB_P2] fp32: for each of ``n_heads`` query heads from q_base, the mean of its q rows
+    [start, min(q_len, start + BLOCK_M)) . every pooled key block (rows past n_heads: 0).
+
+    Walks the head dim CHUNK_D at a time so the [HEADS_P2, KB_P2, CHUNK_D] product stays in registers;
+    each pooled-key chunk is loaded once for all the heads.
+    """
+    heads = tl.arange(0, HEADS_P2)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = (heads < n_heads)[:, None] & (rows < q_len)[None, :]
+    count = tl.minimum(q_len - start, BLOCK_M).to(tl.float32)
+    row_off = heads.to(tl.int64)[:, None] * stride_qh + rows.to(tl.int64)[None, :] * stride_qn  # [HEADS_P2, BLOCK_M]
+    scores = tl.zeros([HEADS_P2, KB_P2], dtype=tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+        offs_d = d0 + tl.arange(0, CHUNK_D)
+        qt = tl.load(q_base + row_off[:, :, None] + offs_d[None, None, :],
+                     mask=row_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0).to(tl.float32)
+        pooled_q = tl.sum(qt, 1) / count  # [HEADS_P2, CHUNK_D], as the reference: sum, then divide
+        kt = tl.load(pk_base + offs_d.to(tl.int64)[None, :] * kv_blocks + kb[:, None], mask=kb_ok[:, None], other=0.0)
+        scores += tl.sum(pooled_q[:, None, :] * kt[None, :, :], 2)
+    return scores
+
+
+@triton.jit
+def _top_take(scores, eligible, take):
+    """bool like ``scores``: the ``take`` best eligible entries, ties to the lower position (the reference's
+    stable descending sort). Needs take <= eligible count.
+
+    Floats map to int32 keys in the same order (negative values get their magnitude bits flipped; -0 is
+    made +0 first, since the sort ties them); 32 bisection rounds over the int32 range find the largest
+    threshold with at least ``take`` keys at or above it, i.e. the take-th largest key.
+    """
+    scores = tl.where(scores == 0.0, 0.0, scores)
+    bits = scores.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = eligible & (key > lo)
+    tied = eligible & (key == lo)
+    rank = tl.cumsum(tied.to(tl.int32), 0)  # 1-based among the tied, in id order
+    quota = take - tl.sum(above.to(tl.int32), 0)
+    return above | (tied & (rank <= quota))
+
+
+@triton.jit
+def _store_list(cnt_ptr, idx_ptr, chosen, values, lanes, lanes_ok):
+    """Write ``values`` where ``chosen`` in lane order to idx_ptr[0:n], 0 to idx_ptr[n:len(lanes)], n to cnt_ptr."""
+    n = tl.sum(chosen.to(tl.int32), 0)
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(cnt_ptr, n)
+    tl.store(idx_ptr + lanes, tl.zeros_like(values).to(idx_ptr.dtype.element_ty), mask=lanes_ok & (lanes >= n))
+    tl.store(idx_ptr + slot, values.to(idx_ptr.dtype.element_ty), mask=chosen)
+
+
+@triton.jit
+def _block_topk_select(
+    Q, PK, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BLOCKS,
+    q_len, kv_len, kv_blocks, k_blocks, sink_blocks, scale, heads, kv_heads,
+    stride_qb, stride_qh, stride_qn,
+    GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_P2: tl.constexpr, KB_P2: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)  # b * heads + h, h in the index's head space
+    b = bh // heads
+    h = bh % heads
+    kv_h = h if PER_KV else h // GROUP
+    first = qb * BLOCK_M + kv_len - q_len
+    last = tl.minimum(q_len, (qb + 1) * BLOCK_M) - 1 + kv_len - q_len
+    kb = tl.arange(0, KB_P2)
+    kb_ok = kb < kv_blocks
+    causal = kb_ok & (kb * BLOCK_N <= last)
+    forced = causal & ((kb < sink_blocks) | (kb >= first // BLOCK_N))
+    open_ = causal & ~forced
+    pk_base = PK + (b * kv_heads + kv_h).to(tl.int64) * kv_blocks * BLOCK_D
+    q_b = Q + b.to(tl.int64) * stride_qb
+    if PER_KV:
+        # The group's per-head probabilities over the open blocks, summed: a head's favourite block gets
+        # ~1 whatever its logit scale (block_topk.select). No open block: all 0 (the reference's nan -> 0).
+        logits = _pooled_scores(q_b + (kv_h * GROUP).to(tl.int64) * stride_qh, stride_qh, stride_qn, GROUP, qb * BLOCK_M,
+                                q_len, pk_base, kb, kb_ok, kv_blocks, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2) * scale
+        logits = tl.where(open_[None, :], logits, float("-inf"))
+        top = tl.max(logits, 1)
+        p = tl.exp(logits - tl.where(top == float("-inf"), 0.0, top)[:, None])
+        total = tl.sum(p, 1)
+        scores = tl.sum(p / tl.where(total == 0.0, 1.0, total)[:, None], 0)
+    else:
+        scores = tl.sum(_pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qh, stride_qn, 1, qb * BLOCK_M, q_len, pk_base,
+                                       kb, kb_ok, kv_blocks, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2), 0)
+    take = tl.minimum(k_blocks, tl.sum(open_.to(tl.int32), 0))
+    chosen = forced | _top_take(scores, open_, take)
+    top_key = (kb + 1) * BLOCK_N - 1
+    is_full = (top_key <= first) & (top_key < kv_len)
+    row = bh.to(tl.int64) * tl.num_programs(0) + qb
+    _store_list(FULL_CNT + row, FULL_IDX + row * kv_blocks, chosen & is_full, kb, kb, kb_ok)
+    _store_list(PART_CNT + row, PART_IDX + row * kv_blocks, chosen & ~is_full, kb, kb, kb_ok)
+    tl.store(BLOCKS + row * kv_blocks + kb, chosen, mask=kb_ok)
+
+
+def fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.Tensor | None) -> str | None:
+    """Why the fused build cannot take these inputs (None: it can). q [B, Hq, Nq, D], k [B, Hkv, Nk, D]."""
+    if row_pos is not None:
+        return "a permuted region (row_pos) takes the torch build"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype not in SUPPORTED_DTYPES:
+        return f"dtypes {q.dtype}/{k.dtype} are not float16/bfloat16/float32"
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return "q and k must be contiguous in head_dim"
+    if q.device != k.device:
+        return f"q is on {q.device}, k on {k.device}"
+    if q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} > 256"
+    if num_blocks(k.shape[2], block_n) > MAX_KEY_BLOCKS:
+        return f"{num_blocks(k.shape[2], block_n)} key blocks > {MAX_KEY_BLOCKS}"
+    return None
+
+
+def wants_fused(fused: bool | None, static_widths: bool, refusal, q: torch.Tensor) -> bool:
+    """Whether a pattern's build_index takes its fused path: ``fused`` None on CUDA tensors with static
+    widths where ``refusal()`` (the pattern's ``*fusable`` check: a reason, or None) has none, True always
+    (ValueError naming why it cannot), False never."""
+    if fused is False or (fused is None and not q.is_cuda):
+        return False
+    why = refusal() if static_widths else "the fused build has static widths only (static_widths=True)"
+    if why is not None and fused:
+        raise ValueError(f"fused index build refused: {why}")
+    return why is None
+
+
+def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 [B, H, BLOCK_D, ceil(N / block)]: means of consecutive blocks of rows of x [B, H, N, D] (valid
+    rows only), transposed, head dim padded with 0 to the next power of two."""
+    batch, heads, length, dim = x.shape
+    blocks = num_blocks(length, block)
+    out = torch.empty(batch, heads, block_d(dim), blocks, dtype=torch.float32, device=x.device)
+    _pool_rows[(blocks, batch * heads)](
+        x, out, length, heads, *x.stride()[:3], HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def _select_config(kv_blocks: int, head_dim: int, heads: int) -> dict:
+    """KB_P2 lanes per program, HEADS_P2 query heads scored together; CHUNK_D keeps the [heads, KB, chunk]
+    product at <= 8K fp32 registers; more warps for long key axes (the 32 bisection rounds reduce over KB_P2)."""
+    kb_p2 = triton.next_power_of_2(max(kv_blocks, 16))
+    heads_p2 = triton.next_power_of_2(heads)
+    chunk = max(1, min(block_d(head_dim), 8192 // (kb_p2 * heads_p2)))
+    return {"KB_P2": kb_p2, "HEADS_P2": heads_p2, "CHUNK_D": chunk, "num_warps": 4 if kb_p2 <= 256 else 8}
+
+
+def block_topk_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_blocks: int,
+    sink_blocks: int,
+    *,
+    head_space: str = "query",
+    block_m: int = 64,
+    block_n: int = 64,
+) -> tuple[BlockIndex, torch.Tensor]:
+    """Block top-k index of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (Nq <= Nk, bottom-right causal) with
+    static widths KB, and the bool selection [B, H, QB, KB] it lists; H = Hq ("query") or Hkv ("kv").
+    Equal to ``block_topk.build_index(..., static_widths=True)`` where no two scores of a row are within
+    rounding of each other (the pooled means and dots are summed in another order). Inputs are checked by
+    the caller (block_topk.select's checks and ``fusable``)."""
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    heads = kv_heads if head_space == "kv" else q_heads
+    q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
+    pooled_k = pool_blocks(k, block_n)
+    device = q.device
+    counts = torch.empty(2, batch, heads, q_blocks, dtype=torch.int32, device=device)
+    lists = torch.empty(2, batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=device)
+    blocks = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.bool, device=device)
+    _block_topk_select[(q_blocks, batch * heads)](
+        q, pooled_k, counts[0], lists[0], counts[1], lists[1], blocks,
+        q_len, kv_len, kv_blocks, k_blocks, sink_blocks, 1.0 / dim**0.5, heads, kv_heads, *q.stride()[:3],
+        GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        **_select_config(kv_blocks, dim, group if head_space == "kv" else 1),
+    )
+    index = BlockIndex(counts[0], lists[0], counts[1], lists[1], block_m, block_n, head_space)
+    return index, blocks
+
+
+# ------------------------------------------------------------------------------------------ vertical-slash
+#
+# 1. ``_vs_row_stats``: per (key chunk, batch, query head), the softmax max and sum of each of the last R
+#    query rows over the chunk's causal keys (split so that short prompts still fill the GPU).
+# 2. ``_vs_sums``: per (key window, batch, index head): the chunk stats merged, the probabilities of the
+#    window's keys, summed over rows into the window's column sums and, through a skewed gather, into its
+#    diagonal sums (offset d = pos - j); kv head space sums the GQA group's heads.
+# 3. ``_vs_top``: per (batch, index head, line kind): the forced lines get +inf, the exact top-k of
+#    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
+#    the prefix counts ``below[x]`` = chosen offsets < x.
+# 4. ``_vs_index``: per (query block, batch, index head): the key blocks a chosen offset touches (two
+#    reads of ``below`` per block), full/partial by causality, and the verticals that are causal for the
+#    block's last row and outside every touched block as gathered columns.
+
+VS_TILE = 64  # keys per window of _vs_sums (and per step of _vs_row_stats)
+VS_CHUNK = 1024  # keys per _vs_row_stats program
+MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 128] probabilities); more: the torch build
+MAX_VS_KEYS = 32768  # keys a _vs_top program holds in registers; longer: the torch build
+
+
+@triton.jit
+def _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM: tl.constexpr):
+    """K^T for the rows ``keys`` of one head: [BLOCK_D, len(keys)], rows outside [0, kv_len) 0."""
+    ok = (keys >= 0) & (keys < kv_len)
+    return tl.load(k_base + keys.to(tl.int64)[None, :] * stride_kn + offs_d[:, None],
+                   mask=ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(q, kt, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+    """q [R, BLOCK_D] . kt [BLOCK_D, N] in fp32, as the reference's fp32 matmul of the upcast inputs."""
+    if DOT_F32:
+        return tl.dot(q.to(tl.float32), kt.to(tl.float32))  # interpreter bf16 dot bug (_common.online_update)
+    if IEEE:
+        return tl.dot(q, kt, input_precision="ieee")  # fp32 inputs: no tf32, the reference is fp32
+    return tl.dot(q, kt)  # fp16/bf16 products are exact in the fp32 accumulator
+
+
+@triton.jit
+def _tail_rows(Q, b, h, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM: tl.constexpr):
+    """The last ``rows`` query rows of (b, h), [len(r), len(offs_d)] (lanes r >= rows and dims past HEAD_DIM: 0)."""
+    q_rows = q_len - rows + r
+    ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_rows.to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    return tl.load(ptrs, mask=(r < rows)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _vs_row_stats(
+    Q, K, M, L, q_len, kv_len, rows, q_heads, scale,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // q_heads
+    h = bh % q_heads
+    r = tl.arange(0, R_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _tail_rows(Q, b, h, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
+    pos = kv_len - rows + r
+    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
+    m_i = tl.full([R_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([R_P2], dtype=tl.float32)
+    for start in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, kv_len), TILE):
+        keys = start + tl.arange(0, TILE)
+        s = _dot(q, _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM), DOT_F32, IEEE) * scale
+        s = tl.where((keys[None, :] <= pos[:, None]) & (keys < kv_len)[None, :] & (r < rows)[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+        m_i = m_new
+    out = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * R_P2 + r
+    tl.store(M + out, m_i)
+    tl.store(L + out, l_i)
+
+
+@triton.jit
+def _vs_sums(
+    Q, K, M, L, COLS, DIAG, q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+    GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
+    TILE: tl.constexpr, WIN: tl.constexpr, CHUNKS_P2: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Window p: keys [A, A + WIN) with A = p * TILE - shift; it owns the column sums of keys [A, A + TILE)
+    and the diagonal sums of offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1, whose keys
+    j = pos_r - d all lie in the window (WIN >= TILE + R_P2 - 1)."""
+    p = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    r = tl.arange(0, R_P2)
+    w = tl.arange(0, WIN)
+    t = tl.arange(0, TILE)
+    offs_d = tl.arange(0, BLOCK_D)
+    a = p * TILE - shift
+    keys = a + w
+    pos = kv_len - rows + r
+    ok = (keys[None, :] <= pos[:, None]) & (keys >= 0)[None, :] & (keys < kv_len)[None, :] & (r < rows)[:, None]
+    skew = r[:, None] + TILE - 1 - t[None, :]  # [R_P2, TILE]: window slot of row r's key at offset d0 + t
+    kv_h = h if PER_KV else h // GROUP
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+    kt = _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM)  # the window's keys serve every head of the group
+    c = tl.arange(0, CHUNKS_P2)
+    cols = tl.zeros([WIN], dtype=tl.float32)
+    diag = tl.zeros([TILE], dtype=tl.float32)
+    for g in range(GROUP if PER_KV else 1):
+        qh = h * GROUP + g if PER_KV else h
+        # Merge the per-chunk softmax stats of this head's rows.
+        stat = ((b * q_heads + qh).to(tl.int64) * chunks + c[:, None]) * R_P2 + r[None, :]
+        m_c = tl.load(M + stat, mask=(c < chunks)[:, None], other=float("-inf"))
+        l_c = tl.load(L + stat, mask=(c < chunks)[:, None], other=0.0)
+        m = tl.max(m_c, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
+        q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
+        s = _dot(q, kt, DOT_F32, IEEE) * scale
+        prob = tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
+        cols += tl.sum(tl.where((w < TILE)[None, :], prob, 0.0), 0)
+        diag += tl.sum(tl.gather(prob, skew, 1), 0)
+    out = bh.to(tl.int64) * kv_len
+    tl.store(COLS + out + keys, cols, mask=(w < TILE) & (keys >= 0) & (keys < kv_len))
+    d = kv_len - rows - a - TILE + 1 + t
+    tl.store(DIAG + out + d, diag, mask=(d >= 0) & (d < kv_len))
+
+
+@triton.jit
+def _vs_top(
+    COLS, DIAG, VERT, SLASH, BELOW, kv_len, n_vert, n_slash, force_vert, force_slash,
+    NK_P2: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    slash = tl.program_id(1) == 1
+    lanes = tl.arange(0, NK_P2)
+    ok = lanes < kv_len
+    row = bh.to(tl.int64) * kv_len
+    # Scalars by tl.where, not in the branches: an int argument equal to 1 may arrive as a constant, and
+    # both branches of an if must give a variable the same type.
+    take = tl.where(slash, n_slash, n_vert)
+    force = tl.where(slash, force_slash, force_vert)
+    if slash:
+        src = DIAG
+        out = SLASH + bh.to(tl.int64) * n_slash
+    else:
+        src = COLS
+        out = VERT + bh.to(tl.int64) * n_vert
+    scores = tl.load(src + row + lanes, mask=ok, other=0.0)
+    scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
+    chosen = _top_take(scores, ok, take)  # exactly ``take`` lines: take <= kv_len
+    slot = tl.cumsum(chosen.to(tl.int32), 0)
+    tl.store(out + slot - 1, lanes.to(tl.int64), mask=chosen)
+    if slash:
+        below = BELOW + bh.to(tl.int64) * (kv_len + 1)
+        tl.store(below + lanes + 1, slot, mask=ok)  # below[x + 1] = chosen offsets <= x
+        tl.store(below, 0)
+
+
+@triton.jit
+def _vs_touched(below, kb, p0, p1, kv_len, BLOCK_N: tl.constexpr):
+    """Whether a chosen slash offset reaches key block kb from the query block at positions [p0, p1]:
+    some offset in [max(p0 - k1, 0), p1 - k0] (prefix counts ``below``), and the block is causal."""
+    k0 = kb * BLOCK_N
+    k1 = tl.minimum(k0 + BLOCK_N - 1, kv_len - 1)
+    lo = tl.minimum(tl.maximum(p0 - k1, 0), kv_len)
+    hi = tl.minimum(tl.maximum(p1 - k0, -1), kv_len - 1)
+    return (tl.load(below + hi + 1) > tl.load(below + lo)) & (k0 <= p1)
+
+
+@triton.jit
+def _vs_index(
+    VERT, BELOW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
+    q_len, kv_len, kv_blocks, n_vert,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_P2: tl.constexpr, V_P2: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    p0 = qb * BLOCK_M + kv_len - q_len
+    p1 = tl.minimum(q_len, (qb + 1) * BLOCK_M) - 1 + kv_len - q_len
+    below = BELOW + bh.to(tl.int64) * (kv_len + 1)
+    kb = tl.arange(0, KB_P2)
+    kb_ok = kb < kv_blocks
+    touched = _vs_touched(below, tl.where(kb_ok, kb, 0), p0, p1, kv_len, BLOCK_N) & kb_ok
+    top_key = (kb + 1) * BLOCK_N - 1
+    is_full = (top_key <= p0) & (top_key < kv_len)
+    row = bh.to(tl.int64) * tl.num_programs(0) + qb
+    _store_list(FULL_CNT + row, FULL_IDX + row * kv_blocks, touched & is_full, kb, kb, kb_ok)
+    _store_list(PART_CNT + row, PART_IDX + row * kv_blocks, touched & ~is_full, kb, kb, kb_ok)
+    lanes = tl.arange(0, V_P2)
+    live = lanes < n_vert
+    vert = tl.load(VERT + bh.to(tl.int64) * n_vert + lanes, mask=live, other=0).to(tl.int32)
+    covered = _vs_touched(below, vert // BLOCK_N, p0, p1, kv_len, BLOCK_N)
+    _store_list(COL_CNT + row, COL_IDX + row * n_vert, live & (vert <= p1) & ~covered, vert, lanes, live)
+
+
+def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None) -> str | None:
+    """``fusable`` plus the vertical-slash limits (None: the fused build takes these inputs)."""
+    why = fusable(q, k, block_n, row_pos)
+    if why is None and q.shape[-1] < 16:
+        why = f"head_dim {q.shape[-1]} < 16 (tl.dot's smallest side)"
+    if why is None and min(last_q, q.shape[2]) > MAX_LAST_Q:
+        why = f"last_q {last_q} > {MAX_LAST_Q}"
+    if why is None and k.shape[2] > MAX_VS_KEYS:
+        why = f"{k.shape[2]} keys > {MAX_VS_KEYS}"
+    return why
+
+
+def vertical_slash_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    vertical_size: int,
+    slash_size: int,
+    last_q: int,
+    force_vertical: int,
+    force_slash: int,
+    head_space: str = "query",
+    block_m: int = 64,
+    block_n: int = 64,
+    scale: float | None = None,
+) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
+    """Vertical-slash index of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (Nq <= Nk, bottom-right causal) with static
+    widths (KB block lists, min(vertical_size, Nk) columns), and its lines: vertical ids int64 [B, H, V] and
+    slash offsets int64 [B, H, S], ascending. force_*: the forced counts (``vertical_slash.forced``). Equal
+    to ``vertical_slash.build_index(..., static_widths=True)`` where no two column or diagonal sums of a head
+    are within rounding at the top-k boundary. Inputs are checked by the caller (``vs_fusable``)."""
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    heads = kv_heads if head_space == "kv" else q_heads
+    rows = min(last_q, q_len)
+    r_p2 = max(16, triton.next_power_of_2(rows))
+    scale = 1.0 / dim**0.5 if scale is None else scale
+    device = q.device
+    dot = {"DOT_F32": dot_f32(q.dtype), "IEEE": q.dtype == torch.float32}
+    chunks = num_blocks(kv_len, VS_CHUNK)
+    stats = torch.empty(2, batch * q_heads, chunks, r_p2, dtype=torch.float32, device=device)
+    _vs_row_stats[(chunks, batch * q_heads)](
+        q, k, stats[0], stats[1], q_len, kv_len, rows, q_heads, scale, *q.stride()[:3], *k.stride()[:3],
+        GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE, CHUNK=VS_CHUNK, **dot, num_warps=4,
+    )
+    sums = torch.empty(2, batch * heads, kv_len, dtype=torch.float32, device=device)
+    shift = num_blocks(r_p2 - 1, VS_TILE) * VS_TILE  # windows start left of key 0 so offsets up to kv_len - 1 are owned
+    _vs_sums[(num_blocks(kv_len + shift, VS_TILE), batch * heads)](
+        q, k, stats[0], stats[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
+        *q.stride()[:3], *k.stride()[:3],
+        GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE,
+        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=triton.next_power_of_2(chunks), **dot,
+        num_warps=4 if r_p2 <= 32 else 8,  # [64, 128] probabilities + their skewed gather at last_q 64
+    )
+    n_vert, n_slash = min(vertical_size, kv_len), min(slash_size, kv_len)
+    vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
+    slash = torch.empty(batch, heads, n_slash, dtype=torch.int64, device=device)
+    below = torch.empty(batch * heads, kv_len + 1, dtype=torch.int32, device=device)
+    nk_p2 = triton.next_power_of_2(kv_len)
+    _vs_top[(batch * heads, 2)](
+        sums[0], sums[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
+        NK_P2=nk_p2, num_warps=4 if nk_p2 <= 2048 else (8 if nk_p2 <= 8192 else 16),
+    )
+    q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
+    counts = torch.empty(3, batch, heads, q_blocks, dtype=torch.int32, device=device)
+    lists = torch.empty(2, batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=device)
+    col_idx = torch.empty(batch, heads, q_blocks, n_vert, dtype=torch.int32, device=device)
+    _vs_index[(q_blocks, batch * heads)](
+        vertical, below, counts[0], lists[0], counts[1], lists[1], counts[2], col_idx, q_len, kv_len, kv_blocks, n_vert,
+        BLOCK_M=block_m, BLOCK_N=block_n, KB_P2=triton.next_power_of_2(kv_blocks), V_P2=triton.next_power_of_2(n_vert),
+        num_warps=4,
+    )
+    index = BlockIndex(counts[0], lists[0], counts[1], lists[1], block_m, block_n, head_space, counts[2], col_idx)
+    return index, vertical, slash
