@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICE
 from sparsesearch.index import validate
 from sparsesearch.kernels.block_sparse import block_sparse_attention
 from sparsesearch.kernels.index_build import pool_blocks
@@ -29,7 +30,7 @@ def planted(batch, heads, length, block, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     blocks = -(-length // block)
     values = torch.randint(-3, 4, (batch, heads, blocks, DIM), generator=gen).float() / 4
-    return values.repeat_interleave(block, dim=2)[:, :, :length].to(dtype)
+    return values.repeat_interleave(block, dim=2)[:, :, :length].to(DEVICE, dtype)
 
 
 def assert_same_index(got, want):
@@ -95,7 +96,7 @@ def test_fused_block_topk_bf16_inputs():
 def test_fused_block_topk_ties_go_to_the_lower_block(space):
     """All keys equal: every open block scores the same, so the k lowest open ids win."""
     q = planted(1, 2, 256, 16, seed=3)
-    k = torch.ones(1, 1, 256, DIM) / 4
+    k = torch.ones(1, 1, 256, DIM, device=DEVICE) / 4
     params = block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1)
     got, want = topk_pair(params, q, k, space)
     assert_same_index(got, want)
@@ -106,8 +107,8 @@ def test_fused_block_topk_ties_go_to_the_lower_block(space):
 
 def test_fused_block_topk_follows_planted_scores():
     """Not only equal to the reference: a planted favourite block wins over the tie rule's lower ids."""
-    q = torch.zeros(1, 1, 256, DIM)
-    k = torch.zeros(1, 1, 256, DIM)
+    q = torch.zeros(1, 1, 256, DIM, device=DEVICE)
+    k = torch.zeros(1, 1, 256, DIM, device=DEVICE)
     q[..., 192:, 0] = 1.0
     k[..., 160:192, 0] = 1.0  # key block 5 of 8 (block_n 32)
     index, _ = topk_pair(block_topk.BlockTopKParams(k_blocks=1, sink_blocks=1), q, k, "query")
@@ -115,7 +116,7 @@ def test_fused_block_topk_follows_planted_scores():
 
 
 def test_pool_blocks_is_the_block_mean():
-    x = torch.randn(2, 3, 70, 80)
+    x = torch.randn(2, 3, 70, 80).to(DEVICE)
     pooled = pool_blocks(x, 32)
     assert pooled.shape == (2, 3, 128, 3)  # transposed: [B, H, BLOCK_D, blocks]
     assert torch.allclose(pooled[:, :, :80].transpose(-1, -2), block_topk._pool(x, 32), atol=1e-6)
@@ -126,7 +127,7 @@ def test_fused_index_drives_the_kernel_like_the_torch_index():
     """Block-sparse attention over the fused index equals attention over the torch index, bit for bit."""
     q = planted(2, 2, 96, 16, seed=11)
     k = planted(2, 1, 200, 32, seed=12)
-    v = torch.randn(2, 1, 200, DIM, generator=torch.Generator().manual_seed(13))
+    v = torch.randn(2, 1, 200, DIM, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     got, want = topk_pair(block_topk.BlockTopKParams(k_blocks=3, sink_blocks=1), q, k, "kv")
     out_fused, lse_fused = block_sparse_attention(q, k, v, got)
     out_torch, lse_torch = block_sparse_attention(q, k, v, want)
@@ -136,7 +137,7 @@ def test_fused_index_drives_the_kernel_like_the_torch_index():
 
 def test_dispatch():
     """None: the torch build off CUDA; True refuses what the fused build cannot do, naming why."""
-    q, k = planted(1, 2, 64, 16, seed=0), planted(1, 2, 64, 16, seed=1)
+    q, k = planted(1, 2, 64, 16, seed=0).cpu(), planted(1, 2, 64, 16, seed=1).cpu()
     params = block_topk.BlockTopKParams(k_blocks=1, sink_blocks=1)
     assert "fused" not in block_topk.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
     with pytest.raises(ValueError, match="static widths"):
@@ -203,7 +204,7 @@ def separated_qk(params, batch, q_heads, kv_heads, q_len, kv_len, space, dtype=t
         gaps = (boundary_gap(cols, v, vertical_slash.forced(params.force_vertical, params.vertical_size)),
                 boundary_gap(diag, s, vertical_slash.forced(params.force_slash, params.slash_size)))
         if min(gaps) > 1e-4:
-            return q, k
+            return q.to(DEVICE), k.to(DEVICE)
     raise AssertionError("no seed gives separated top-k boundaries; pick other shapes")
 
 
@@ -268,6 +269,7 @@ def test_fused_vertical_slash_ties_go_to_the_lower_line(space):
     lowest ids win after the forced ones (which are the lowest too)."""
     params = vertical_slash.VerticalSlashParams(vertical_size=6, slash_size=5, last_q=16, force_vertical=2, force_slash=1)
     q, k = torch.zeros(1, 2, 160, DIM), torch.randn(1, 1, 160, DIM, generator=torch.Generator().manual_seed(0))
+    q, k = q.to(DEVICE), k.to(DEVICE)
     got, want = vs_pair(params, q, k, space)
     assert_same_index(got, want)
     assert_same_lines(got, want)
@@ -278,7 +280,7 @@ def test_fused_vertical_slash_ties_go_to_the_lower_line(space):
 def test_fused_vertical_slash_index_drives_the_kernel_like_the_torch_index():
     params = vertical_slash.VerticalSlashParams(vertical_size=24, slash_size=2, last_q=16, force_vertical=2, force_slash=1)
     q, k = separated_qk(params, 2, 2, 1, 96, 200, "kv")
-    v = torch.randn(2, 1, 200, DIM, generator=torch.Generator().manual_seed(13))
+    v = torch.randn(2, 1, 200, DIM, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     got, want = vs_pair(params, q, k, "kv")
     out_fused, lse_fused = block_sparse_attention(q, k, v, got)
     out_torch, lse_torch = block_sparse_attention(q, k, v, want)
@@ -304,7 +306,7 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not in
 def test_fused_builds_on_gpu_equal_torch(space):
     """The runtime's shapes on the compiled kernels: bf16, head_dim 128, GQA 4, blocks 64 x 64, 2K tokens."""
     q = planted(1, 8, 2048, 64, seed=21, dtype=torch.bfloat16).cuda()
-    k = torch.cat([planted(1, 2, 2048, 64, seed=22), torch.zeros(1, 2, 2048, 128 - DIM)], -1).to("cuda", torch.bfloat16)
+    k = torch.cat([planted(1, 2, 2048, 64, seed=22), torch.zeros(1, 2, 2048, 128 - DIM, device=DEVICE)], -1).to("cuda", torch.bfloat16)
     q = torch.cat([q, torch.zeros_like(q)], -1)  # head_dim 128, the planted half carries the scores
     kw = dict(head_space=space, static_widths=True)
     params = block_topk.BlockTopKParams(k_blocks=3, sink_blocks=1)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex, num_blocks
-from ._common import SUPPORTED_DTYPES, block_d, dot_f32
+from ._common import SUPPORTED_DTYPES, block_d, dot_f32, interpreting
 
 # Longest key axis, in key blocks, a select program holds in registers (128K keys at block_n 64); past it
 # the torch build runs. Issue 14 §2's target is the short contexts, KB <= 512.
@@ -195,6 +195,8 @@ def wants_fused(fused: bool | None, static_widths: bool, refusal, q: torch.Tenso
     if fused is False or (fused is None and not q.is_cuda):
         return False
     why = refusal() if static_widths else "the fused build has static widths only (static_widths=True)"
+    if why is None and not q.is_cuda and not interpreting():
+        why = f"q is on {q.device}: compiled Triton takes CUDA tensors (TRITON_INTERPRET=1 runs it on CPU)"
     if why is not None and fused:
         raise ValueError(f"fused index build refused: {why}")
     return why is None
