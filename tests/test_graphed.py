@@ -76,13 +76,34 @@ def test_static_width_build_has_no_device_sync(name, params):
 @pytest.mark.parametrize("name, params", GROUPS)
 @pytest.mark.parametrize("space, heads", [("kv", (1,)), ("query", (0, 3))])
 def test_graph_replays_equal_eager_builds_on_new_inputs(name, params, space, heads):
+    from sparsesearch.graphed import GraphedIndexCache
+
     g = HeadGroup(name, params, heads, 16, 32)
-    cache = StaticIndexCache()
+    graphs = GraphedIndexCache()
     for seed in range(3):  # the first call captures, the others replay on new q/k
         q, k = _qk(seed=seed, device="cuda", dtype=torch.bfloat16)
-        got = cache.index(g, q, k, space)
+        got = graphs.index(g, q, k, space)
         assert_same_lists(got, build_group_index(g, q, k, space))
-    assert len(cache._graphs._entries) == 1
+    assert len(graphs._entries) == 1
+
+
+@GPU
+@pytest.mark.parametrize("name, params", GROUPS)
+def test_runtime_cache_takes_the_fused_build_before_a_graph(name, params):
+    """Where the fused Triton build takes the inputs it runs eagerly (cheaper than a replay's copies); a
+    refused input (head_dim 8 for vertical-slash, 2049 key blocks for block top-k) still goes through a graph."""
+    g = HeadGroup(name, params, (0,), 16, 32)
+    cache = StaticIndexCache()
+    q, k = _qk(device="cuda", dtype=torch.bfloat16)
+    assert cache.index(g, q, k, "kv").meta.get("fused") and not cache._graphs._entries
+    if name == "vertical_slash":
+        q, k = q[..., :8].contiguous(), k[..., :8].contiguous()
+    else:
+        g = HeadGroup(name, params, (0,), 16, 16)
+        q, k = _qk(n=2049 * 16, q_heads=2, kv_heads=1, dim=16, device="cuda", dtype=torch.bfloat16)
+    got = cache.index(g, q, k, "kv")
+    assert not got.meta.get("fused")
+    assert len(cache._graphs._entries) == (1 if q.shape[2] <= 16384 else 0)  # graphs stop at 16K keys
 
 
 @GPU

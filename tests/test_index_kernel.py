@@ -140,8 +140,8 @@ def test_dispatch():
     q, k = planted(1, 2, 64, 16, seed=0).cpu(), planted(1, 2, 64, 16, seed=1).cpu()
     params = block_topk.BlockTopKParams(k_blocks=1, sink_blocks=1)
     assert "fused" not in block_topk.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
-    with pytest.raises(ValueError, match="static widths"):
-        block_topk.build_index(params, q, k, block_m=16, block_n=16, fused=True)
+    # Insisting works without static widths too (the fused lists always have them), on the suite's device.
+    assert block_topk.build_index(params, q.to(DEVICE), k.to(DEVICE), block_m=16, block_n=16, fused=True).meta["fused"]
     with pytest.raises(ValueError, match="row_pos"):
         block_topk.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True,
                                row_pos=torch.arange(64))
@@ -299,6 +299,21 @@ def test_vertical_slash_dispatch():
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not interpreted) kernels need a GPU")
+
+
+@GPU
+def test_unasked_fused_build_stops_at_wide_lists_without_static_widths():
+    """fused=None: a dynamic-widths build past DYNAMIC_WIDTH_MAX_BLOCKS key blocks stays torch (its lists
+    are narrower there); asking for static widths, or insisting, takes the fused build."""
+    from sparsesearch.kernels.index_build import DYNAMIC_WIDTH_MAX_BLOCKS
+
+    n = (DYNAMIC_WIDTH_MAX_BLOCKS + 1) * 16
+    q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, n, 16, seed=1).cuda()
+    params = block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1)
+    kw = dict(head_space="kv", block_m=16, block_n=16)
+    assert "fused" not in block_topk.build_index(params, q, k, **kw).meta
+    assert block_topk.build_index(params, q, k, static_widths=True, **kw).meta["fused"]
+    assert block_topk.build_index(params, q, k[:, :, : DYNAMIC_WIDTH_MAX_BLOCKS * 16], **kw).meta["fused"]  # 512: still fused
 
 
 @GPU

@@ -42,6 +42,7 @@ def test_facts_agree_with_build_index_signatures():
     for name, module in REGISTRY.items():
         args = inspect.signature(module.build_index).parameters
         assert ("q" in args) == module.DYNAMIC, name
+        assert hasattr(module, "fused_refusal") == module.DYNAMIC, name  # its fused build's limits
         assert ("row_pos" in args) == module.REGION, name
 
 

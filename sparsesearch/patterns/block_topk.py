@@ -157,20 +157,29 @@ def build_index(
 ) -> BlockIndex:
     """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``).
     static_widths: no device sync (``index_from_selection``).
-    fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort) for a static-widths
-    build; None uses it on CUDA tensors where ``fusable`` accepts the inputs (else this torch build, the
-    reference), True insists (ValueError when it cannot), False never."""
-    from ..kernels.index_build import block_topk_index, fusable, wants_fused
+    fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort; its lists have static
+    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (for a dynamic-widths build
+    up to ``index_build.DYNAMIC_WIDTH_MAX_BLOCKS`` key blocks; else this torch build, the reference), True
+    insists (ValueError when it cannot), False never."""
+    from ..kernels.index_build import block_topk_index, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, static_widths, lambda: fusable(q, k, block_n, row_pos), q):
+    if wants_fused(fused, static_widths, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q, num_blocks(kv_len, block_n)):
         index, blocks = block_topk_index(q, k, params.k_blocks, params.sink_blocks, head_space=head_space,
                                          block_m=block_m, block_n=block_n)
         selection = BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space)
         return dataclasses.replace(index, meta={"pattern": NAME, "selection": selection, "fused": True})
     selection = select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n, row_pos=row_pos)
     return index_from_selection(selection, static_widths)
+
+
+def fused_refusal(params: BlockTopKParams, q: torch.Tensor, k: torch.Tensor, *, block_n: int = 64,
+                  row_pos: torch.Tensor | None = None) -> str | None:
+    """Why the fused build cannot take these inputs (None: it can)."""
+    from ..kernels.index_build import fusable
+
+    return fusable(q, k, block_n, row_pos)
 
 
 def predicate(params: BlockTopKParams, selection: BlockSelection, group: int = 1):

@@ -174,14 +174,15 @@ def build_index(
     fused: bool | None = None,
 ) -> BlockIndex:
     """estimate + index_from_lines (static_widths: no device sync, see there).
-    fused: the Triton build (kernels/index_build.py: four launches, no [last_q, Nk] matrix in HBM, no sort)
-    for a static-widths build; None uses it on CUDA tensors where ``vs_fusable`` accepts the inputs (else
-    this torch build, the reference), True insists (ValueError when it cannot), False never."""
-    from ..kernels.index_build import vertical_slash_index, vs_fusable, wants_fused
+    fused: the Triton build (kernels/index_build.py: four launches, no [last_q, Nk] matrix in HBM, no sort;
+    its lists have static widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (for a
+    dynamic-widths build up to ``index_build.DYNAMIC_WIDTH_MAX_BLOCKS`` key blocks; else this torch build,
+    the reference), True insists (ValueError when it cannot), False never."""
+    from ..kernels.index_build import vertical_slash_index, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, static_widths, lambda: vs_fusable(q, k, block_n, params.last_q, row_pos), q):
+    if wants_fused(fused, static_widths, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q, num_blocks(kv_len, block_n)):
         p = params
         index, vertical, slash = vertical_slash_index(
             q, k, vertical_size=p.vertical_size, slash_size=p.slash_size, last_q=p.last_q,
@@ -192,6 +193,14 @@ def build_index(
         return dataclasses.replace(index, meta={"pattern": NAME, "lines": lines, "fused": True})
     lines = estimate(params, q, k, head_space=head_space, scale=scale, row_pos=row_pos)
     return index_from_lines(lines, block_m=block_m, block_n=block_n, static_widths=static_widths)
+
+
+def fused_refusal(params: VerticalSlashParams, q: torch.Tensor, k: torch.Tensor, *, block_n: int = 64,
+                  row_pos: torch.Tensor | None = None) -> str | None:
+    """Why the fused build cannot take these inputs (None: it can)."""
+    from ..kernels.index_build import vs_fusable
+
+    return vs_fusable(q, k, block_n, params.last_q, row_pos)
 
 
 def predicate(params: VerticalSlashParams, lines: VSLines, group: int = 1):
