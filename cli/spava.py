@@ -63,14 +63,15 @@ def generation_cells(r: dict) -> tuple[str, ...]:
 def rows_table(result: dict, title: str) -> Table:
     table = Table(title=f"{title} · exact: {result['exact_engine']}")
     generated = any("generated" in r for r in result["rows"])
-    cols = ("tokens", "l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact",
+    prompts = len({r.get("sample", 0) for r in result["rows"]}) > 1  # --samples N: one row per prompt, say which
+    cols = ("tokens",) + (("prompt",) if prompts else ()) + ("l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact",
             "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense", "decode", "s / token", "KB / token / rank", "setup MB") if generated else ())
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:
         retrieved = f"{r['retrieved']:d} / {r['retrieved_exact']:d}" if "retrieved" in r else "-"
         gen = generation_cells(r)
-        table.add_row(str(r["tokens"]), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
+        table.add_row(str(r["tokens"]), *((str(r.get("sample", 0)),) if prompts else ()), str(r["anchor"]), str(r["passing"]), f"{r['kl']:.2e}", f"{r['logit_rel_error']:.2e}",
                       f"{r['ppl']:.2f} / {r['ppl_exact']:.2f}", retrieved, f"{r['seconds']:.2f} / {r['seconds_exact']:.2f}",
                       f"{r['bytes_sent'] / 1e6:.1f} / {r['bytes_sent_exact'] / 1e6:.1f}", *(seconds(r[f"modelled_s_w{w}"]) for w in (2, 4, 8)), *(gen if generated else ()))
     return table

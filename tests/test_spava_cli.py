@@ -378,3 +378,8 @@ def test_modelled_latency_by_hand(tmp_path):
     console.print(rows_table(result, "hand"))
     text = console.export_text()
     assert "W=2" in text and f"{fast['modelled_s_w8']:.2f}" in text and " - " in text
+    assert "prompt" not in text  # one prompt per length: no prompt column
+    result["rows"] = [r | {"sample": i} for i, r in enumerate(rows)]  # --samples 2: the rows say which prompt
+    console = Console(width=250, record=True)
+    console.print(rows_table(result, "hand"))
+    assert "prompt" in console.export_text()
