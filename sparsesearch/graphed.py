@@ -6,9 +6,11 @@ launches plus device syncs (the packed lists are as wide as their largest count)
 index + kernel lost to dense on launch overhead alone. Here each (pattern, params, shapes, head space,
 device) is built once with ``static_widths`` (lists as wide as their bound, no sync), captured in a CUDA
 graph, and replayed: per call, two index_select launches into the graph's static inputs and one replay.
-On CUDA the captured build is the fused Triton one (kernels/index_build.py: 2 launches for block top-k, 4
-for vertical-slash, ``build_index(..., static_widths=True)`` picks it) where its kernels take the inputs,
-so the replay saves launch gaps of a few kernels rather than of eighty.
+Where the fused Triton build (kernels/index_build.py: 2 launches for block top-k, 4 for vertical-slash)
+takes the inputs, the runtime's ``execute.StaticIndexCache`` launches it directly instead: a replay's two
+index_select copies cost more than those few launches (H200, 8K: 0.22 vs 0.11 ms). Graphs remain for the
+inputs the fused build refuses (``fused_refusal`` of the pattern); a graph captured over inputs it takes
+would capture the fused build.
 
 The index a replay returns lives in the graph's static outputs: the next replay of the same entry
 overwrites it. The runtime consumes each index in the launch that follows on the same stream (one head
