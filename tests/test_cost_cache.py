@@ -121,3 +121,22 @@ def test_cost_table_points_persist_under_the_stamp_and_a_copy_loads(tmp_path):
     (tmp_path / "costs.json").write_text(json.dumps(stale))
     with pytest.warns(UserWarning, match="ignoring cost cache"):
         assert MeasuredCost(cache_path=tmp_path / "costs.json").table.points == {}
+
+
+def test_exit_flush_does_not_keep_instances_alive(tmp_path):
+    """The at-exit flush holds a weak reference: a dropped instance is collected, a live one is flushed."""
+    import gc
+    import weakref
+
+    from sparsesearch.search.cost import _flush_if_alive
+
+    dropped = MeasuredCost(cache_path=tmp_path / "a.json")
+    ref = weakref.ref(dropped)
+    del dropped
+    gc.collect()
+    assert ref() is None
+    _flush_if_alive(ref)  # the exit hook of a collected instance does nothing
+    live = MeasuredCost(cache_path=tmp_path / "b.json")
+    live._cache["k"], live._dirty = 1.0, True
+    _flush_if_alive(weakref.ref(live))
+    assert json.loads((tmp_path / "b.json").read_text())["costs"] == {"k": 1.0}

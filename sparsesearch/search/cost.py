@@ -26,6 +26,7 @@ import json
 import os
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -140,6 +141,12 @@ class CostTable:
         return got if got > 0 else None
 
 
+def _flush_if_alive(ref: weakref.ref) -> None:
+    cost = ref()
+    if cost is not None:
+        cost.flush()
+
+
 class MeasuredCost:
     """Times are cached per (device name, shape, pattern, density) in a JSON file stamped with
     ``cache_env(device_name)``, with the cost table's points beside them; a file stamped otherwise (another
@@ -159,7 +166,9 @@ class MeasuredCost:
         self.timed = self.priced = 0
         # rewriting a file of thousands of points after every launch cost seconds per search (H200 modal run)
         self._dirty, self._written = False, time.monotonic()
-        atexit.register(self.flush)
+        # At exit, flush whatever is still alive: a weak reference, so the registration does not keep every
+        # instance (and its table) alive for the life of the process; the search flushes at its end anyway.
+        atexit.register(_flush_if_alive, weakref.ref(self))
 
     def _read(self) -> dict:
         try:
