@@ -141,6 +141,7 @@ def test_decoder_choice_and_bad_input():
     assert resolve_decoder("slot", "random", torch.device("cpu")) == "slot"
     vnorm = make_config(128, 0.25, 32, "vnorm")
     assert _fusable(vnorm, 64) and not _fusable(vnorm, 80) and not _fusable(make_config(192, 0.25, 48, "vnorm"), 64)  # else the torch step
+    assert not _fusable(vnorm, 8)  # a power of two below 16: the fused selection refuses it, so the step must too
     model = tiny_llama(layers=1)
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match="decoder 'fast' is unknown; choose one of auto, slot, torch"):

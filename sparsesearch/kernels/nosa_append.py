@@ -62,6 +62,14 @@ def _append_kernel(k_new, v_new, lengths, keys_host, values_host, slots_k, slots
         tl.store(units + (pid.to(tl.int64) * n_units_cap + first // STRIDE) * D + d, mean.to(units.dtype.element_ty))
 
 
+
+def shape_refusal(dim: int, kernel: int) -> str | None:
+    """Why the fused append cannot serve this shape (None: it can)."""
+    if dim & (dim - 1) or kernel & (kernel - 1):
+        return f"head_dim {dim} and the pooling kernel {kernel} must be powers of two for the fused append"
+    return None
+
+
 def append_token(k_new: torch.Tensor, v_new: torch.Tensor, lengths: torch.Tensor, keys_host: torch.Tensor, values_host: torch.Tensor,
                  slots_k: torch.Tensor, slots_v: torch.Tensor, scores: torch.Tensor, ring: torch.Tensor, units: torch.Tensor, *,
                  proxy: str, eviction: tuple[torch.Tensor, torch.Tensor] | None, seed: int, block: int, kernel: int, stride: int) -> None:
@@ -75,8 +83,9 @@ def append_token(k_new: torch.Tensor, v_new: torch.Tensor, lengths: torch.Tensor
     batch, kv_heads, dim = k_new.shape
     if proxy not in PROXY_IDS:
         raise ValueError(f"the fused append scores {', '.join(PROXY_IDS)}, got proxy {proxy!r}")
-    if dim & (dim - 1) or kernel & (kernel - 1):
-        raise ValueError(f"head_dim {dim} and the pooling kernel {kernel} must be powers of two for the fused append")
+    why = shape_refusal(dim, kernel)
+    if why is not None:
+        raise ValueError(why)
     w, a = eviction if proxy == "trained" else (scores, scores)  # unread placeholders for the other proxies
     _append_kernel[(batch * kv_heads,)](
         k_new.contiguous(), v_new.contiguous(), lengths, keys_host, values_host, slots_k, slots_v, scores, ring, units, w, a,

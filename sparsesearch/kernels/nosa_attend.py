@@ -141,6 +141,13 @@ class AttendScratch:
         self.ml = torch.empty(pairs, splits, group_pad, 2, dtype=torch.float32, device=device)
 
 
+def shape_refusal(block: int) -> str | None:
+    """Why the slot attention cannot serve this block size (None: it can): a block is one key tile."""
+    if block < 16 or block & (block - 1):
+        return f"the slot attention takes a power-of-two block >= 16, got {block}"
+    return None
+
+
 def slot_attend(q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, keys_host: torch.Tensor, values_host: torch.Tensor,
                 slot_map: torch.Tensor, fetch_from: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, scratch: AttendScratch,
                 *, block: int, scale: float, bias: bool, out: torch.Tensor | None = None,
@@ -156,6 +163,9 @@ def slot_attend(q: torch.Tensor, slots_k: torch.Tensor, slots_v: torch.Tensor, k
     kv_heads, k = slot_map.shape[1], slot_map.shape[2]
     group = q_heads // kv_heads
     pairs = batch * kv_heads
+    why = shape_refusal(block)
+    if why is not None:
+        raise ValueError(why)
     gp = group_rows(group)
     if scratch.acc.shape[0] != pairs or scratch.acc.shape[2:] != (gp, dim):
         raise ValueError(f"attention scratch made for {tuple(scratch.acc.shape)}, the step needs pairs {pairs}, rows {gp}, head_dim {dim}")

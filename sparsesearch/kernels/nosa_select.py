@@ -269,6 +269,15 @@ class SelectScratch:
         return self.fetch[ranks]
 
 
+def shape_refusal(dim: int, block: int, stride: int) -> str | None:
+    """Why the fused selection cannot serve this shape (None: it can)."""
+    if block % stride or block // stride < 1:
+        return f"block {block} must be a multiple of the pooling stride {stride}"
+    if dim < 16 or dim & (dim - 1):
+        return f"head_dim must be a power of two >= 16 for the fused selection, got {dim}"
+    return None
+
+
 def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, se: torch.Tensor, scores: torch.Tensor,
                    slot_map: torch.Tensor, counters: torch.Tensor, scratch: SelectScratch, *, block: int, k: int, k_q: int,
                    n_init: int, n_win: int, kernel: int, stride: int, ranks: int, scale: float, bias: bool,
@@ -288,10 +297,9 @@ def select_and_map(units: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor, 
     batch, kv_heads, n_units, dim = units.shape
     group = q.shape[1] // kv_heads
     n_blocks = se.shape[-1]
-    if block % stride or block // stride < 1:
-        raise ValueError(f"block {block} must be a multiple of the pooling stride {stride}")
-    if dim < 16 or dim & (dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16 for the fused selection, got {dim}")
+    why = shape_refusal(dim, block, stride)
+    if why is not None:
+        raise ValueError(why)
     ratio = block // stride
     kp = triton.next_power_of_2(max(k, ranks, 1))
     src, dst = scratch.fetch_lists(ranks)

@@ -542,14 +542,14 @@ class SlotLayer(DecodeLayer):
                                "fetched_blocks": fetched, "dropped_blocks": dropped, "store_regrowths": self.grown}
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 def _fusable(cfg: NosaConfig, dim: int) -> bool:
-    """Whether the fused Triton step serves this shape (kernels/nosa_append.py: power-of-two head_dim and
-    pooling kernel; kernels/nosa_attend.py: a power-of-two block >= 16); otherwise the slot decoder's torch step."""
-    return _pow2(dim) and _pow2(cfg.kernel) and _pow2(cfg.block) and cfg.block >= 16
+    """Whether the fused Triton step serves this shape: none of its three kernels refuses it (each kernel
+    module states its own limits); otherwise the slot decoder's torch step."""
+    from ..kernels import nosa_append, nosa_attend, nosa_select
+
+    refusals = (nosa_append.shape_refusal(dim, cfg.kernel), nosa_attend.shape_refusal(cfg.block),
+                nosa_select.shape_refusal(dim, cfg.block, cfg.stride))
+    return all(why is None for why in refusals)
 
 
 DECODERS = ("auto", "slot", "torch")
