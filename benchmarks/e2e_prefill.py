@@ -32,7 +32,7 @@ import torch
 import triton
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from benchmarks.ttft import SHAPES
+from benchmarks.ttft import SHAPES, prefill_fn
 from sparsesearch.artifacts import load_artifact
 from sparsesearch.execute import StaticIndexCache
 from sparsesearch.patterns.registry import REGISTRY
@@ -107,12 +107,7 @@ def main() -> None:
     dim = shape["hidden_size"] // q_heads
     rows = []
     for n in args.tokens:
-        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
-
-        def prefill():
-            with torch.no_grad():
-                model(input_ids=ids, logits_to_keep=1, use_cache=False)
-
+        prefill = prefill_fn(model, n)
         bench = lambda: float(triton.testing.do_bench(prefill, warmup=100, rep=500, return_mode="median"))  # noqa: E731
         t_dense = bench()
         model.set_attn_implementation("zero_attention")

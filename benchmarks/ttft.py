@@ -36,6 +36,17 @@ def triangle_artifact(start: int | None) -> SimpleNamespace:
     return SimpleNamespace(manifest={"head_index_space": "kv", "methods": {"trianglemix": tri}}, heads=pd.DataFrame())
 
 
+def prefill_fn(model, n: int):
+    """generate's first step on ``n`` random tokens (no KV cache kept, last logits only), as a callable."""
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
+
+    def prefill():
+        with torch.no_grad():
+            model(input_ids=ids, logits_to_keep=1, use_cache=False)
+
+    return prefill
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -52,12 +63,7 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     rows = []
     for n in args.tokens:
-        ids = torch.randint(0, config.vocab_size, (1, n), device="cuda")
-
-        def prefill():
-            with torch.no_grad():
-                model(input_ids=ids, logits_to_keep=1, use_cache=False)
-
+        prefill = prefill_fn(model, n)
         t_dense = triton.testing.do_bench(prefill, warmup=200, rep=1000, return_mode="median")
         for start in args.starts:
             apply(model, triangle_artifact(start), min_tokens=1024)
