@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .index import BlockIndex
+from .index import BlockIndex, num_blocks
 from .patterns.registry import REGISTRY, pattern
 
 CACHE_LIMIT = 64  # static indices kept per StaticIndexCache (one model's distinct call shapes)
@@ -115,10 +115,13 @@ class StaticIndexCache:
         graph replay when it may (valid until the group's next call: consume it first)."""
         if REGISTRY[g.pattern].DYNAMIC:
             from .graphed import usable
+            from .kernels.index_build import wants_fused
 
             # A fused Triton build (kernels/index_build.py, 2-4 launches) beats a graph replay of the torch
-            # build, whose two index_select copies alone cost more (H200, 8K: 0.11 vs 0.22 ms, RESULTS).
-            if q.is_cuda and pattern(g.pattern).fused_refusal(g.params, q, k, block_n=g.block_n) is None:
+            # build, whose two index_select copies alone cost more (H200, 8K: 0.11 vs 0.22 ms, RESULTS). The
+            # question is the one build_index itself asks (same rule: a graph only where it would not fuse).
+            refusal = lambda: pattern(g.pattern).fused_refusal(g.params, q, k, block_n=g.block_n)  # noqa: E731
+            if wants_fused(None, False, refusal, q, num_blocks(k.shape[2], g.block_n)):
                 return build_group_index(g, q, k, space)
             if self._graphs is not None and usable(q, k):
                 return self._graphs.index(g, q, k, space)
