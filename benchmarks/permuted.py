@@ -1,8 +1,8 @@
-"""Permutation read in place (issue 14): the block-sparse kernel with int32 row/col maps vs the same kernel
-without maps at equal density vs the gathered-copy path, with SDPA timed next to every case.
+"""Permutation read in place (issue 14): the block-sparse kernel reading a grid by index arithmetic or a
+modality region through int32 row/col maps vs the same kernel without them at equal density vs the
+gathered-copy path (regions) or the plain block cover (grid), with SDPA timed next to every case.
 
-Cases: a grid head (patterns/grid.py build_permuted_index: line rows and keys gathered to the front by
-maps) and the regions of a fragmented video/text prompt (Q-boundary rows video x all keys, 2D intra
+Cases: a grid head (patterns/grid.py build_lines_index, see ``grid_rows``) and the regions of a fragmented video/text prompt (Q-boundary rows video x all keys, 2D intra
 video x video, 2D cross text x video) with an A-shape index in the region frame. For each case:
 
 * ``t_ours_ms``     the kernel reading Q/K/V in place through the maps, O/lse stored in original rows;
@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from sparsesearch.index import BlockIndex, to_block_masks
+from sparsesearch.index import BlockIndex, explicit_lines
 from sparsesearch.kernels import block_sparse_attention
 from sparsesearch.kernels._common import check_maps
+from sparsesearch.kernels.triangle import line_rows_attention
 from sparsesearch.patterns import ashape, boundary, grid
 from sparsesearch.reference import index_mask_fn, masked_attention, relative_error
 
@@ -76,22 +77,81 @@ def video_layout(n: int) -> torch.Tensor:
     return ids
 
 
-def grid_cases(n: int, heads: int, args, device) -> list[tuple]:
-    """(name, params, index, row_map, col_map, row_pos, rows, keys): rows/keys the original ids the region
-    covers (None: every token)."""
-    cases = []
-    for name, params in (
-        ("grid_hv_s256_l1024", grid.GridParams(stride=256, phase=7, use_hline=True, use_vline=True, local=1024)),
-        ("grid_v_s64_l1024", grid.GridParams(stride=64, phase=3, use_hline=False, use_vline=True, local=1024)),
-    ):
+GRID_CASES = (
+    ("grid_hv_s256_l1024", grid.GridParams(stride=256, phase=7, use_hline=True, use_vline=True, local=1024)),
+    ("grid_v_s64_l1024", grid.GridParams(stride=64, phase=3, use_hline=False, use_vline=True, local=1024)),
+)
+
+
+def grid_rows(n: int, q, k, v, sdpa, args, cuda: bool, common: dict) -> list[dict]:
+    """The grid read in place by arithmetic (patterns/grid.py build_lines_index: keys in place, vertical
+    lines as strided columns, horizontal-line rows split over keys) against the same lists run plain — the
+    line columns as explicit gathered ids (index.explicit_lines), the same line-row pass — and against the
+    plain block cover (grid.build_index) the search scores."""
+    rows_out = []
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for name, params in GRID_CASES:
+        if args.cases and not any(c in name for c in args.cases):
+            continue
         p = params if params.stride <= n // 4 else grid.GridParams(**{**params.__dict__, "stride": max(2, n // 16), "phase": 1})
-        index, row_map, col_map = grid.build_permuted_index(p, n, n, heads=heads, block_m=args.block_m, block_n=args.block_n,
-                                                            head_space="kv", device=device)
-        cases.append((name, {"stride": p.stride, "phase": p.phase, "hline": p.use_hline, "vline": p.use_vline, "local": p.local},
-                      lambda p=p: grid.build_permuted_index(p, n, n, heads=heads, block_m=args.block_m, block_n=args.block_n,
-                                                            head_space="kv", device=device),
-                      index, row_map, col_map, None))
-    return cases
+        build = lambda p=p: grid.build_lines_index(p, n, n, heads=k.shape[1], block_m=args.block_m, block_n=args.block_n,
+                                                   head_space="kv", device=q.device)
+        index, lines = build()
+        explicit = explicit_lines(index, lines)
+        line_rows = lines.rows(q.device)
+        every = torch.arange(q.shape[1], dtype=torch.int32, device=q.device)
+        cover = grid.build_index(p, n, n, heads=k.shape[1], block_m=args.block_m, block_n=args.block_n, head_space="kv", device=q.device)
+
+        def ours():
+            block_sparse_attention(q, k, v, index, lines=lines, out=out, lse=lse)
+
+        def plain():
+            block_sparse_attention(q, k, v, explicit, out=out, lse=lse)
+            if lines.row_lines:
+                o, l = line_rows_attention(q, k, v, lines.row_phase, lines.stride, lines.row_lines, every)
+                out[:, :, line_rows] = o.to(out.dtype)
+                lse[:, :, line_rows] = l
+
+        def plain_cover():
+            block_sparse_attention(q, k, v, cover, out=out, lse=lse)
+
+        t_sdpa_before = bench(sdpa, cuda)
+        t_ours, t_plain, t_cover = bench(ours, cuda), bench(plain, cuda), bench(plain_cover, cuda)
+        t_sdpa = (t_sdpa_before + bench(sdpa, cuda)) / 2
+        index_ms = bench(build, cuda)
+        ours()
+        tail = torch.arange(n - min(256, n), n, device=q.device)
+        mask = grid.lines_mask(p, n, n, block_m=args.block_m, block_n=args.block_n, rows=tail)
+        ref, _ = masked_attention(q[:, :, tail], k, v, lambda r: mask[r][None, None], chunk=64)
+        err = relative_error(out[:, :, tail], ref)
+        density = float(mask_density(p, n, args))
+        cover_density = block_density(cover, n)
+        row = {
+            **common, "case": name, "params": {"stride": p.stride, "phase": p.phase, "hline": p.use_hline, "vline": p.use_vline,
+                                               "local": p.local},
+            "n": n, "density": round(density, 5), "cover_density": round(cover_density, 5),
+            "t_sdpa_ms": round(t_sdpa, 4), "t_ours_ms": round(t_ours, 4), "t_plain_ms": round(t_plain, 4),
+            "t_cover_ms": round(t_cover, 4), "t_gathered_ms": None,
+            "overhead_vs_plain": round(t_ours / t_plain - 1, 4), "speedup_vs_cover": round(t_cover / t_ours, 3),
+            "eff_ours": round(density * t_sdpa / t_ours, 3), "eff_plain": round(density * t_sdpa / t_plain, 3),
+            "index_ms": round(index_ms, 4), "map_check_ms": 0.0,
+            "map_bytes": 0 if lines.line_cols is None else lines.line_cols.numel() * 4, "rel_err_last_rows": round(err, 6),
+        }
+        rows_out.append(row)
+        print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "t_plain_ms", "t_cover_ms",
+                                                 "overhead_vs_plain", "index_ms", "rel_err_last_rows")}), flush=True)
+    return rows_out
+
+
+def mask_density(p: grid.GridParams, n: int, args) -> float:
+    """Computed tokens (listed blocks whole, line columns, line rows over their causal keys) over the causal
+    matrix (N^2/2), counted per query block from the cover without a token x token mask."""
+    hit, _, line_cols, lines = grid.lines_cover(p, n, n, args.block_m, args.block_n)
+    blocks = hit.sum().item() * args.block_m * args.block_n
+    line_keys = (lines.rows() + 1).sum().item()
+    return (blocks + line_cols.sum().item() * args.block_m + line_keys) / (n * n / 2)
 
 
 def region_cases(n: int, heads: int, args, device) -> list[tuple]:
@@ -118,15 +178,6 @@ def mapped_mask(index: BlockIndex, row_map, col_map, row_pos, n: int, rows: torc
     slot = torch.arange(n, device=rows.device) if row_map is None else torch.empty(n, dtype=torch.long, device=rows.device)
     if row_map is not None:
         slot[row_map.long()] = torch.arange(nq, device=rows.device)
-    if index.meta.get("permuted"):  # the grid: listed blocks, causal by original position
-        full, partial = to_block_masks(index, triton.cdiv(nk, index.block_n))
-        listed = (full | partial)[0][:, slot[rows] // index.block_m][..., torch.arange(nk, device=rows.device) // index.block_n]
-        listed = listed.repeat_interleave(group, 0)
-        keys = col_map.long()
-        causal = keys[None, :] <= rows[:, None]
-        out = torch.zeros(listed.shape[0], rows.numel(), n, dtype=torch.bool, device=rows.device)
-        out[..., keys] = listed & causal
-        return out
     frame = index_mask_fn(index, nq, nk, group, row_pos)(slot[rows])[0]
     out = torch.zeros(frame.shape[0], rows.numel(), n, dtype=torch.bool, device=rows.device)
     out[..., torch.arange(n, device=rows.device) if col_map is None else col_map.long()] = frame
@@ -149,7 +200,11 @@ def run(args) -> list[dict]:
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
-        cases = grid_cases(n, args.kv_heads, args, device) + region_cases(n, args.kv_heads, args, device)
+        command_fields = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__, "batch": 1,
+                          "q_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.dim, "dtype": args.dtype,
+                          "block_m": args.block_m, "block_n": args.block_n, "command": command}
+        rows_out += grid_rows(n, q, k, v, sdpa, args, cuda, command_fields)
+        cases = region_cases(n, args.kv_heads, args, device)
         for name, params, build, index, row_map, col_map, row_pos in cases:
             if args.cases and not any(c in name for c in args.cases):
                 continue
@@ -234,9 +289,10 @@ def main() -> None:
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
     tmp.replace(path)
     print(f"{len(rows)} rows -> {path} in {time.time() - started:.0f} s")
-    print(f"{'case':30s} {'N':>7s} {'dens':>6s} {'ours ms':>9s} {'plain ms':>9s} {'gath ms':>9s} {'ovh':>7s} {'eff':>5s} {'SDPA ms':>9s} {'idx ms':>7s} {'chk ms':>7s} {'err':>8s}")
+    print(f"{'case':30s} {'N':>7s} {'dens':>6s} {'ours ms':>9s} {'plain ms':>9s} {'gath/cover':>10s} {'ovh':>7s} {'eff':>5s} {'SDPA ms':>9s} {'idx ms':>7s} {'chk ms':>7s} {'err':>8s}")
     for r in rows:
-        print(f"{r['case']:30s} {r['n']:7d} {r['density']:6.3f} {r['t_ours_ms']:9.3f} {r['t_plain_ms']:9.3f} {r['t_gathered_ms']:9.3f} "
+        other = r['t_gathered_ms'] if r['t_gathered_ms'] is not None else r['t_cover_ms']
+        print(f"{r['case']:30s} {r['n']:7d} {r['density']:6.3f} {r['t_ours_ms']:9.3f} {r['t_plain_ms']:9.3f} {other:10.3f} "
               f"{100 * r['overhead_vs_plain']:6.1f}% {r['eff_ours']:5.2f} {r['t_sdpa_ms']:9.3f} {r['index_ms']:7.2f} {r['map_check_ms']:7.3f} {r['rel_err_last_rows']:8.1e}")
 
 

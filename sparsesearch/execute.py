@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .index import BlockIndex, num_blocks
+from .index import BlockIndex, GridLines, num_blocks
 from .patterns.registry import REGISTRY, pattern
 
 CACHE_LIMIT = 64  # static indices kept per StaticIndexCache (one model's distinct call shapes)
@@ -86,16 +86,16 @@ def _frame(name: str, row_pos: torch.Tensor | None) -> dict:
 
 
 def permuted_grid_index(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, batch: int = 1
-                        ) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
-    """A grid group's permuted index (patterns/grid.py build_permuted_index: Alg. 1's stride/phase as a row
-    and column permutation) and its int32 row/col maps, for ``sparse_attend(..., row_map=, col_map=)``.
-    Static like the plain cover: stride and phase live in the params."""
+                        ) -> tuple[BlockIndex, GridLines]:
+    """A grid group's permuted form (patterns/grid.py build_lines_index: Alg. 1's stride/phase read in place
+    by index arithmetic) and its GridLines, for ``sparse_attend(..., lines=)``. Static like the plain
+    cover: stride and phase live in the params."""
     if g.pattern != "grid":
         raise ValueError(f"only grid heads have a permuted form, got {g.pattern!r}")
     from .patterns import grid
 
-    return grid.build_permuted_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m,
-                                     block_n=g.block_n, head_space=space, device=device)
+    return grid.build_lines_index(g.params, q_len, kv_len, batch=batch, heads=len(g.heads), block_m=g.block_m,
+                                  block_n=g.block_n, head_space=space, device=device)
 
 
 class StaticIndexCache:
@@ -133,42 +133,50 @@ class StaticIndexCache:
             self._entries[key] = build_group_index(g, q, k, space)
         return self._entries[key]
 
-    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
-                 ) -> tuple[BlockIndex, torch.Tensor | None, torch.Tensor | None]:
-        """A grid group's cheaper form, cached: ``permuted_grid_index`` when it lists fewer blocks than the
-        plain cover, else the plain cover with no maps (slash lines, which the permutation leaves spread,
-        can make it list more)."""
+    def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple[BlockIndex, GridLines | None]:
+        """A grid group's cheaper form, cached: ``permuted_grid_index`` when it computes fewer key tiles than
+        the plain cover (its listed blocks, line columns and line rows), else the plain cover and None
+        (slash lines, which the arithmetic leaves spread, can make it compute more)."""
         key = ("permuted", g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
         if key not in self._entries:
-            index, row_map, col_map = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
+            index, lines = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
             plain = self.index(g, q, k, space)
             if len(self._entries) >= self.limit:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (index, row_map, col_map) if _blocks(index) < _blocks(plain) else (plain, None, None)
+            self._entries[key] = (index, lines) if _blocks(index, lines) < _blocks(plain) else (plain, None)
         return self._entries[key]
 
 
-def _blocks(index: BlockIndex) -> int:
-    """Listed key blocks of an index (full + partial, every batch row and head)."""
-    return int(index.full_count.sum() + index.partial_count.sum())
+def _blocks(index: BlockIndex, lines: GridLines | None = None) -> int:
+    """Key blocks an index computes (full + partial, every batch row and head), with a grid's line columns
+    and line rows (over their causal keys) counted in blocks of the same area."""
+    blocks = int(index.full_count.sum() + index.partial_count.sum())
+    if lines is None:
+        return blocks
+    area = index.block_m * index.block_n
+    cols = 0 if lines.line_cols is None else int(lines.line_cols.sum()) * index.block_m
+    rows = int((lines.rows() + 1 + lines.kv_len - lines.q_len).sum())
+    return blocks + (cols + rows) * index.batch * index.heads // area
 
 
 def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None, *,
-                  row_map=None, col_map=None) -> None:
+                  row_map=None, col_map=None, lines: GridLines | None = None) -> None:
     """One launch over the query heads the index serves (``heads``: int32 head-space ids, one per index head)
     into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a permuted region's frame. row_map / col_map:
     int32, the region (or permutation) read in place from the whole q/k/v (kernels/block_sparse.py); out/lse
     with the whole q's rows are written at row_map, with the region's rows compactly. Without maps q/k/v
-    are the region's gathered rows and keys."""
+    are the region's gathered rows and keys. lines: a grid group read in place by arithmetic
+    (``permuted_grid_index``)."""
     if q.is_cuda:
         from .kernels import block_sparse_attention
 
-        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos, row_map=row_map, col_map=col_map)
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos, row_map=row_map, col_map=col_map,
+                               lines=lines)
     else:
         from .kernels.torch_sparse import block_sparse_attention_torch
 
         block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos,
-                                     row_map=row_map, col_map=col_map)
+                                     row_map=row_map, col_map=col_map, lines=lines)
 
 
 def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) -> None:

@@ -129,6 +129,36 @@ class BlockIndex:
         return self.full_count.long() + self.partial_count.long()
 
 
+@dataclass(frozen=True)
+class GridLines:
+    """A grid head's stride/phase read in place by index arithmetic (patterns/grid.py build_lines_index):
+    no map, no permuted copy. The index covers every q row in order with key blocks in original
+    coordinates; query block b also reads the vertical-line keys col_phase + stride * i, i < line_cols[b],
+    as strided columns, and in its partial blocks the line keys below col_phase + stride * line_cols[b] are
+    masked (the columns have them). The horizontal-line rows row_phase + stride * s, s < row_lines, attend
+    every causal key: the kernels compute them apart (split over keys: one such row sees the whole context)
+    and write them over the index's result. q_len / kv_len: the lengths it was built for (row_phase
+    depends on kv_len - q_len)."""
+
+    stride: int
+    row_phase: int
+    row_lines: int
+    col_phase: int
+    line_cols: torch.Tensor | None  # int32 [QB] or None (no vertical lines)
+    q_len: int
+    kv_len: int
+
+    def rows(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """int64 [row_lines]: the horizontal-line q rows."""
+        return self.row_phase + self.stride * torch.arange(self.row_lines, device=device)
+
+    def is_line_row(self, rows: torch.Tensor) -> torch.Tensor:
+        """bool like rows (q row ids): a horizontal-line row."""
+        if self.row_lines == 0:
+            return torch.zeros_like(rows, dtype=torch.bool)
+        return (rows - self.row_phase) % self.stride == 0
+
+
 def num_blocks(length: int, block: int) -> int:
     return (length + block - 1) // block
 
@@ -316,3 +346,25 @@ def stack(indices: list[BlockIndex]) -> BlockIndex:
         partial_count=cat("partial_count", False), partial_idx=cat("partial_idx", True),
         col_count=cat("col_count", False), col_idx=cat("col_idx", True),
     )
+
+
+def explicit_lines(index: BlockIndex, lines: GridLines) -> BlockIndex:
+    """The index of a grid read by arithmetic (``GridLines``) with its vertical-line keys as explicit
+    gathered columns (those inside a listed block left to the block): the same tokens for every row but
+    the horizontal-line rows. For the torch backend and benchmarks: the columns cost [QB, lines] ids, which
+    is what the kernel's arithmetic saves."""
+    if lines.line_cols is None:
+        return index
+    count = lines.line_cols.long().to(index.device)
+    ids = torch.arange(max(1, int(count.max())), device=index.device)
+    keys = lines.col_phase + lines.stride * ids  # [W]
+    kv_blocks = num_blocks(lines.kv_len, index.block_n)
+    full, partial = to_block_masks(index, kv_blocks)
+    listed = (full | partial)[..., torch.clamp(keys // index.block_n, max=kv_blocks - 1)]  # [B, H, QB, W]
+    keep = (ids < count[:, None]) & ~listed
+    col_count, slots = pack_lists(keep)
+    col_idx = torch.where(torch.arange(slots.shape[-1], device=index.device) < col_count[..., None],
+                          lines.col_phase + lines.stride * slots, 0).to(torch.int32)
+    # Kernels read the three counts with one set of strides: materialise them alike.
+    return replace(index, full_count=index.full_count.contiguous(), partial_count=index.partial_count.contiguous(),
+                   col_count=col_count.contiguous(), col_idx=col_idx.contiguous())

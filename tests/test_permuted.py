@@ -1,9 +1,9 @@
 """Permutations read in place (issue 14; paper 000 Alg. 1-3, 5-7): the block-sparse kernel and its torch
-twin take int32 row/column maps, so grid heads and Q/K/2D-boundary regions run on the whole Q/K/V with
-outputs written in original positions.
+twin take int32 row/column maps (Q/K/2D-boundary regions) or a grid's stride/phase as index arithmetic
+(index.GridLines), so both run on the whole Q/K/V with outputs written in original positions.
 
 References are masks built from the definitions in original positions (region frame -> original rows and
-keys; the grid's lines, band and permuted blocks), run by the oracle on the unpermuted tensors; the
+keys; the grid's band blocks, line columns and line rows), run by the oracle on the unpermuted tensors; the
 gathered-copy path is a second, independent check. Inputs: multi-span layouts with odd span lengths,
 GQA 4:2, batch 2, fp32 everywhere and bf16 through the Triton interpreter.
 """
@@ -17,6 +17,7 @@ import torch
 
 from conftest import DEVICE
 from sparsesearch.execute import HeadGroup, attend_boundary, build_group_index, run_region
+from sparsesearch.index import explicit_lines
 from sparsesearch.kernels import block_sparse_attention
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
 from sparsesearch.patterns import ashape, boundary, dense, grid, vertical_slash
@@ -208,70 +209,73 @@ GRIDS = [
     (150, 150, grid.GridParams(stride=7, phase=3, local=20)),
     (97, 131, grid.GridParams(stride=5, phase=0, use_slash=True, local=9)),
     (203, 203, grid.GridParams(stride=16, phase=5, use_hline=False, local=16)),
+    (120, 160, grid.GridParams(stride=24, phase=11, use_vline=False, local=30)),
 ]
+GRID_IDS = ["hv", "hvs-offset", "v-only", "h-only-offset"]
 
 
-@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=["hv", "hvs-offset", "v-only"])
-def test_permuted_cover_holds_the_predicate_and_is_its_pooled_superset(q_len, kv_len, params):
-    """Attention-gym style: predicate -> dense mask -> permuted by line_order -> pooled blocks must lie in
-    the builder's cover; the cover's tokens (in original positions) hold every admitted token."""
+@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=GRID_IDS)
+def test_lines_cover_holds_the_predicate_and_computes_less_than_the_plain_cover(q_len, kv_len, params):
+    """Attention-gym style: predicate -> dense mask; the tokens the grid read in place computes (listed
+    blocks, line columns, line rows) hold every admitted token; full blocks need no mask; and without slash
+    lines it computes fewer tokens than the plain block cover (the point of reading the lines apart)."""
     bm = bn = 16
     pred = predicate_mask_fn(grid.predicate(params), 1, 1, q_len, kv_len)(torch.arange(q_len))[0, 0]
-    hit, is_full, rows, cols = grid.permuted_cover(params, q_len, kv_len, bm, bn)
-    pooled_any, _ = pool_mask(pred[rows][:, cols][None, None], bm, bn)
-    assert not bool((pooled_any[0, 0] & ~hit).any())
-    tokens = grid.permuted_mask(params, q_len, kv_len, block_m=bm, block_n=bn)
+    tokens = grid.lines_mask(params, q_len, kv_len, block_m=bm, block_n=bn)
     assert not bool((pred & ~tokens).any())
-    # Full blocks need no mask: every key precedes every row of the block in original positions.
-    offset = kv_len - q_len
-    slot_rows = rows + offset  # original position of each permuted row slot
-    for qb, kb in is_full.nonzero().tolist()[:50]:
-        r = slot_rows[qb * bm:(qb + 1) * bm]
-        c = cols[kb * bn:(kb + 1) * bn]
-        assert int(c.max()) <= int(r.min())
-    # The permutation is the point: vertical lines gather into whole key blocks.
+    hit, is_full, line_cols, lines = grid.lines_cover(params, q_len, kv_len, bm, bn)
+    p0 = torch.arange(hit.shape[0]) * bm + kv_len - q_len
+    for qb, kb in is_full.nonzero().tolist():
+        assert (kb + 1) * bn - 1 <= int(p0[qb]) and (kb + 1) * bn <= kv_len
+        # no full block below the band holds a line key the columns also read
+        assert int(line_cols[qb]) == 0 or kb * bn > params.phase + params.stride * (int(line_cols[qb]) - 1)
+    # line columns stop below every row of their block: causal with no mask
+    assert bool((params.phase + params.stride * (line_cols - 1) < p0).all() | (line_cols == 0).all())
+    assert lines.row_lines == (int(((torch.arange(q_len) + kv_len - q_len) % params.stride == params.phase).sum()) if params.use_hline else 0)
     plain = grid.build_index(params, q_len, kv_len, block_m=bm, block_n=bn)
-    plain_blocks = int(plain.full_count.sum() + plain.partial_count.sum())
-    if not params.use_slash:  # slash lines stay spread over the rest (the permutation gathers lines only)
-        assert int(hit.sum()) < plain_blocks
+    plain_tokens = index_mask_fn(plain, q_len, kv_len)(torch.arange(q_len))[0, 0]
+    if not params.use_slash:
+        assert int(tokens.sum()) < int(plain_tokens.sum())
 
 
-@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=["hv", "hvs-offset", "v-only"])
+@pytest.mark.parametrize("q_len, kv_len, params", GRIDS, ids=GRID_IDS)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_permuted_grid_in_kernel_equals_its_definition(q_len, kv_len, params, backend):
-    """Batch 2, GQA 4:2, outputs written in original positions, against the oracle on the permuted grid's
-    token mask; and the gathered path (explicit permuted copies, the oracle in permuted coordinates,
-    un-permuted after) gives the same numbers."""
+def test_grid_lines_in_kernel_equal_their_definition(q_len, kv_len, params, backend):
+    """Batch 2, GQA 4:2, outputs in original positions, against the oracle on the grid's token mask; the
+    same launch for one KV head of two writes that head's query heads and nothing else."""
     q, k, v = (t[..., :q_len, :] if i == 0 else t for i, t in enumerate(qkv(kv_len)))
     q = q.contiguous()
-    index, row_map, col_map = grid.build_permuted_index(params, q_len, kv_len, batch=2, heads=2, block_m=16, block_n=16,
-                                                        head_space="kv", device=DEVICE)
+    index, lines = grid.build_lines_index(params, q_len, kv_len, batch=2, heads=2, block_m=16, block_n=16,
+                                          head_space="kv", device=DEVICE)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    BACKENDS[backend](q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=out, lse=lse)
-    mask = grid.permuted_mask(params, q_len, kv_len, block_m=16, block_n=16).to(DEVICE)
+    BACKENDS[backend](q, k, v, index, scale=SCALE, lines=lines, out=out, lse=lse)
+    mask = grid.lines_mask(params, q_len, kv_len, block_m=16, block_n=16).to(DEVICE)
     ref, ref_lse = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
     # fp32 dots run as TF32 in the Triton kernel on a GPU; the torch twin and the interpreter stay fp32.
     tol = 1e-5 if backend == "torch" else error_floor(torch.float32, DEVICE)
     assert relative_error(out, ref) < tol and float((lse - ref_lse).abs().max()) < 10 * tol
-    rm, cm = row_map.long(), col_map.long()
-    perm_mask = mask[rm][:, cm]
-    gathered, _ = masked_attention(q[:, :, rm], k[:, :, cm], v[:, :, cm], lambda r: perm_mask[r][None, None], scale=SCALE)
-    unpermuted = torch.empty_like(gathered)
-    unpermuted[:, :, rm] = gathered
-    assert relative_error(out, unpermuted) < tol
+    one = grid.build_lines_index(params, q_len, kv_len, batch=2, heads=1, block_m=16, block_n=16, head_space="kv", device=DEVICE)[0]
+    out = torch.full_like(q, float("nan"))
+    BACKENDS[backend](q, k, v, one, scale=SCALE, lines=lines, heads=torch.tensor([1], dtype=torch.int32, device=DEVICE),
+                      out=out, lse=torch.empty_like(lse))
+    assert bool(out[:, :2].isnan().all()) and relative_error(out[:, 2:], ref[:, 2:]) < tol
 
 
-def test_permuted_grid_bf16_in_the_interpreter():
+def test_grid_lines_bf16_in_the_interpreter_and_the_explicit_columns_agree():
+    """bf16 against the oracle; and the same index with its line columns as explicit gathered ids
+    (index.explicit_lines, the plain kernel's column path) gives the same rows but the line rows."""
     params = GRIDS[0][2]
     q, k, v = qkv(150, dtype=torch.bfloat16)
-    index, row_map, col_map = grid.build_permuted_index(params, 150, 150, batch=2, heads=2, block_m=16, block_n=16,
-                                                        head_space="kv", device=DEVICE)
-    out, _ = block_sparse_attention(q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=torch.empty_like(q))
-    mask = grid.permuted_mask(params, 150, 150, block_m=16, block_n=16).to(DEVICE)
+    index, lines = grid.build_lines_index(params, 150, 150, batch=2, heads=2, block_m=16, block_n=16, head_space="kv", device=DEVICE)
+    out, _ = block_sparse_attention(q, k, v, index, scale=SCALE, lines=lines)
+    mask = grid.lines_mask(params, 150, 150, block_m=16, block_n=16).to(DEVICE)
     ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
     low, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE, upcast=False)
     assert relative_error(out, ref) <= tolerance(low, ref, torch.bfloat16)
+    explicit, _ = block_sparse_attention(q, k, v, explicit_lines(index, lines), scale=SCALE)
+    keep = ~lines.is_line_row(torch.arange(150, device=DEVICE))
+    assert torch.equal(out[:, :, keep], explicit[:, :, keep])
 
 
 def planted_grid(n: int, stride: int, phase: int, dim: int = 64, seed: int = 0):
@@ -286,22 +290,21 @@ def planted_grid(n: int, stride: int, phase: int, dim: int = 64, seed: int = 0):
     return q, k, v
 
 
-def test_planted_grid_search_recovers_stride_phase_and_the_permuted_run_matches_the_gathered_one():
+def test_planted_grid_search_recovers_stride_phase_and_the_lines_run_matches_the_gathered_one():
     n, stride, phase = 240, 12, 5
     q, k, v = planted_grid(n, stride, phase)
     found, ph, _ = grid.estimate_stride_phase(q, k, [6, 8, 12, 16, 24], last_q=32, head_space="kv")
     assert int(found.item()) == stride and int(ph.item()) == phase
     params = grid.GridParams(stride=stride, phase=phase, use_hline=False, local=16)
-    index, row_map, col_map = grid.build_permuted_index(params, n, n, heads=1, block_m=16, block_n=16, head_space="kv")
-    out, lse = block_sparse_attention_torch(q, k, v, index, scale=SCALE, row_map=row_map, col_map=col_map, out=torch.empty_like(q),
-                                            lse=torch.empty(q.shape[:3]))
-    # The gathered path: explicit permuted copies (rows and keys in line order) through the oracle with the
-    # mask in permuted coordinates (the plain kernel cannot take causality across a reordering).
-    rm, cm = row_map.long(), col_map.long()
-    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16)[rm][:, cm]
-    gathered, _ = masked_attention(q[:, :, rm], k[:, :, cm], v[:, :, cm], lambda r: mask[r][None, None], scale=SCALE)
-    assert relative_error(out[:, :, rm], gathered) < 1e-5
-    # The planted lines are what the heads attend: the permuted grid is near-exact against dense.
+    index, lines = grid.build_lines_index(params, n, n, heads=1, block_m=16, block_n=16, head_space="kv")
+    out, _ = block_sparse_attention_torch(q, k, v, index, scale=SCALE, lines=lines)
+    # The gathered path: the line keys copied to the front (a permuted copy of K/V) through the oracle.
+    mask = grid.lines_mask(params, n, n, block_m=16, block_n=16)
+    on = torch.arange(n) % stride == phase
+    order = torch.cat([torch.arange(n)[on], torch.arange(n)[~on]])
+    gathered, _ = masked_attention(q, k[:, :, order], v[:, :, order], lambda r: mask[r][:, order][None, None], scale=SCALE)
+    assert relative_error(out, gathered) < 1e-5
+    # The planted lines are what the heads attend: the grid is near-exact against dense.
     ref, _ = masked_attention(q, k, v, scale=SCALE)
     assert relative_error(out, ref) < 2e-2
 
@@ -309,21 +312,21 @@ def test_planted_grid_search_recovers_stride_phase_and_the_permuted_run_matches_
 def test_runner_runs_grid_heads_permuted_when_asked():
     n = 256
     q, k, v = (t[:1] for t in qkv(n))
-    params = grid.GridParams(stride=16, phase=2, use_hline=False, local=16)  # a line key in every plain key block
+    params = grid.GridParams(stride=16, phase=2, local=16)  # a line key in every plain key block
     layer = LayerPlan(0, "sparse", (HeadGroup("grid", params, (0, 1), 16, 16),))
     runner = Runner(Plan("kv", (layer,), min_tokens=1))
     plain = runner.attend(layer, q, k, v, scale=SCALE)
     runner.permute_grid = True
     permuted = runner.attend(layer, q, k, v, scale=SCALE)
-    mask = grid.permuted_mask(params, n, n, block_m=16, block_n=16).to(DEVICE)
+    mask = grid.lines_mask(params, n, n, block_m=16, block_n=16).to(DEVICE)
     ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
     assert relative_error(permuted, ref) < error_floor(torch.float32, DEVICE)
     assert relative_error(plain, ref) > 1e-4  # the plain cover computes other extra tokens
 
 
-def test_runner_keeps_the_plain_cover_where_the_permutation_lists_more_blocks():
-    """Slash lines stay spread after the permutation: with them on (and a short stride) the permuted
-    index lists more blocks than the plain cover, so the runner keeps the plain one."""
+def test_runner_keeps_the_plain_cover_where_the_lines_compute_more():
+    """Slash lines stay spread when the lines are read apart: with them on (and a short stride) the lines
+    form computes more tiles than the plain cover, so the runner keeps the plain one."""
     n = 160
     q, k, v = (t[:1] for t in qkv(n))
     params = grid.GridParams(stride=5, phase=0, use_slash=True, local=9)
@@ -332,8 +335,8 @@ def test_runner_keeps_the_plain_cover_where_the_permutation_lists_more_blocks():
     runner = Runner(Plan("kv", (layer,), min_tokens=1))
     plain = runner.attend(layer, q, k, v, scale=SCALE)
     runner.permute_grid = True
-    index, row_map, col_map = runner._static.permuted(g, q, k, "kv")
-    assert row_map is None and col_map is None
+    _, lines = runner._static.permuted(g, q, k, "kv")
+    assert lines is None
     assert torch.equal(runner.attend(layer, q, k, v, scale=SCALE), plain)
 
 
@@ -381,7 +384,7 @@ def test_grid_strides_out_of_range_are_refused():
     with pytest.raises(ValueError, match="stride must be >= 1, got -3"):
         grid.GridParams(stride=-3)
     with pytest.raises(ValueError, match="grid stride 300 is longer than the sequence"):
-        grid.build_permuted_index(grid.GridParams(stride=300), 200, 200)
+        grid.build_lines_index(grid.GridParams(stride=300), 200, 200)
 
 
 def test_bad_modality_ids_and_names_are_refused_before_any_launch():

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..index import GridLines
+
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -270,3 +272,22 @@ def check_maps(q: torch.Tensor, k: torch.Tensor, row_map: torch.Tensor | None, c
 
         check_frame(q_len, kv_len, row_pos)
     return Maps(q_len, kv_len, k.shape[2] - q.shape[2], col_map is not None)
+
+
+def check_lines(q: torch.Tensor, k: torch.Tensor, lines: GridLines | None, q_blocks: int, block_m: int,
+                maps: object, varlen: bool) -> None:
+    """Validate grid lines against the inputs before any launch (dense layout, no row/col maps)."""
+    if lines is None:
+        return
+    if varlen or maps is not None:
+        raise ValueError("grid lines take the dense [B, H, N, D] layout without row/col maps")
+    if (lines.q_len, lines.kv_len) != (q.shape[2], k.shape[2]):
+        raise ValueError(f"grid lines were built for {lines.q_len} queries x {lines.kv_len} keys, inputs have {q.shape[2]} x {k.shape[2]}")
+    if lines.stride < 1 or not 0 <= lines.row_phase < lines.stride or not 0 <= lines.col_phase < lines.stride:
+        raise ValueError(f"grid lines need stride >= 1 and phases in [0, stride), got stride {lines.stride}, "
+                         f"phases {lines.row_phase}/{lines.col_phase}")
+    if lines.row_lines < 0 or (lines.row_lines and lines.row_phase + lines.stride * (lines.row_lines - 1) >= lines.q_len):
+        raise ValueError(f"grid lines list {lines.row_lines} line rows from {lines.row_phase} at stride {lines.stride}, past {lines.q_len} queries")
+    cols = lines.line_cols
+    if cols is not None and (cols.dim() != 1 or cols.dtype != torch.int32 or cols.numel() < q_blocks or cols.device != q.device):
+        raise ValueError(f"grid line_cols must be int32 [query blocks] on {q.device}, got {cols.dtype} {tuple(cols.shape)} on {cols.device}")

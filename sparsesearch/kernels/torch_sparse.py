@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, num_blocks
+from ..index import BlockIndex, GridLines, explicit_lines, num_blocks
 from ..patterns._common import row_positions
-from ._common import check_maps, check_qkv, check_row_pos
+from ._common import check_lines, check_maps, check_qkv, check_row_pos
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
 DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
@@ -35,6 +35,7 @@ def block_sparse_attention_torch(
     row_pos: torch.Tensor | None = None,
     row_map: torch.Tensor | None = None,
     col_map: torch.Tensor | None = None,
+    lines: GridLines | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D] (q dtype), lse fp32 [B, Hq, Nq].
 
@@ -45,8 +46,16 @@ def block_sparse_attention_torch(
     query rows and keys are gathered chunk by chunk through the maps (never a whole permuted copy),
     causality compares original positions when col_map is given, and out/lse given with Nq rows are
     written at row_map[i]; None or Nq_r rows: compact.
+    lines: a grid head read in place by arithmetic (``block_sparse_attention``); run here as its index with
+    explicit line columns (index.explicit_lines), then the horizontal-line rows over every causal key.
     """
     maps = check_maps(q, k, row_map, col_map, row_pos, varlen=False)
+    if lines is not None:
+        check_lines(q, k, lines, index.q_blocks, index.block_m, maps, varlen=False)
+        out, lse = block_sparse_attention_torch(q, k, v, explicit_lines(index, lines), scale=scale, heads=heads, out=out, lse=lse)
+        if lines.row_lines:  # the band-only results of the line rows are overwritten
+            _line_rows(q, k, v, lines, index, heads, scale, out, lse)
+        return out, lse
     check_qkv(q, k, v, varlen=False, region=row_pos is not None or maps is not None)
     if maps is None:
         check_row_pos(q, k, row_pos)
@@ -248,3 +257,16 @@ def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, pos
     probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     out[:, heads_flat, row0:row1] = (probs @ v_sel.float()).to(out.dtype)
     lse[:, heads_flat, row0:row1] = row_lse
+
+
+def _line_rows(q, k, v, lines: GridLines, index: BlockIndex, heads: torch.Tensor | None, scale: float | None, out, lse) -> None:
+    """A grid head's horizontal-line rows over every causal key (as an index listing every key block as
+    partial, read through a row map: keys in place, causal by original position)."""
+    rows = lines.rows(q.device)
+    blocks = num_blocks(lines.kv_len, index.block_n)
+    shape = (index.batch, index.heads, num_blocks(rows.numel(), index.block_m))
+    every = torch.arange(blocks, dtype=torch.int32, device=q.device).expand(*shape, blocks)
+    none = torch.zeros(shape, dtype=torch.int32, device=q.device)
+    dense = BlockIndex(none, none[..., None], torch.full(shape, blocks, dtype=torch.int32, device=q.device), every,
+                       index.block_m, index.block_n, index.head_space)
+    block_sparse_attention_torch(q, k, v, dense, scale=scale, heads=heads, out=out, lse=lse, row_map=rows.to(torch.int32))

@@ -26,21 +26,25 @@ from .block_sparse import block_sparse_attention
 
 @triton.jit
 def _tail_split_fwd(
-    Q, K, V, PO, PL, CU_Q, CU_K,
-    qk_scale, q_len_max, kv_len_max, last, chunk,
+    Q, K, V, PO, PL, CU_Q, CU_K, QH_MAP,
+    qk_scale, q_len_max, kv_len_max, last, chunk, row_first, row_step, heads_per_batch,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_os, stride_ob, stride_oh, stride_or,
     stride_ls, stride_lb, stride_lh,
-    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, VARLEN: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, VARLEN: tl.constexpr, DOT_F32: tl.constexpr, STRIDED: tl.constexpr,
 ):
     split = tl.program_id(0)
     m_tile = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    b = pid_bh // Q_HEADS
-    h = pid_bh % Q_HEADS
+    b = pid_bh // heads_per_batch
+    slot = pid_bh % heads_per_batch  # the partials' head axis
+    if STRIDED:
+        h = tl.load(QH_MAP + slot)  # only the query heads served
+    else:
+        h = slot
     kv_h = h // GROUP
     if VARLEN:
         q_start = tl.load(CU_Q + b)
@@ -55,7 +59,12 @@ def _tail_split_fwd(
     tail = tl.minimum(last, q_len)
     offs_r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # row within the tail
     row_ok = offs_r < tail
-    rows = q_len - tail + offs_r
+    if STRIDED:
+        rows = row_first + row_step * offs_r  # a grid head's horizontal lines (index.GridLines)
+        first_row = row_first + row_step * m_tile * BLOCK_M
+    else:
+        rows = q_len - tail + offs_r
+        first_row = q_len - tail + m_tile * BLOCK_M
     pos = rows + (kv_len - q_len)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
@@ -74,7 +83,7 @@ def _tail_split_fwd(
     never = offs_t < 0
 
     # Tiles every row of this tile may see whole (below the first row's position) need no mask.
-    first_pos = (q_len - tail + m_tile * BLOCK_M) + (kv_len - q_len)
+    first_pos = first_row + (kv_len - q_len)
     safe_hi = tl.minimum(hi, first_pos + 1)
     # Never below lo: a split that starts past the first row's position has no unmasked tile at all.
     safe_end = lo + (tl.maximum(safe_hi - lo, 0) // TILE_N) * TILE_N
@@ -94,9 +103,9 @@ def _tail_split_fwd(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = PO + split * stride_os + b * stride_ob + h * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
+    o_ptrs = PO + split * stride_os + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(PL + split * stride_ls + b * stride_lb + h * stride_lh + offs_r, lse, mask=row_ok)
+    tl.store(PL + split * stride_ls + b * stride_lb + slot * stride_lh + offs_r, lse, mask=row_ok)
 
 
 def _num_splits(kv_len: int, programs: int, tile_n: int) -> int:
@@ -123,7 +132,23 @@ def tail_attention(
     if last < 1:
         raise ValueError(f"last must be >= 1, got {last}")
     layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _split_rows(q, k, v, layout, last, scale, splits)
+
+
+def line_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, step: int, count: int,
+                        q_heads: torch.Tensor, *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal attention of the q rows first + step * r (r < count; a grid head's horizontal lines),
+    split over keys, for the query heads ``q_heads`` (int32 [S] ids) only. Dense layout.
+    Returns (out fp32 [B, S, count, D], lse fp32 [B, S, count])."""
+    layout = check_layout(q, k, v, None, None)
+    return _split_rows(q, k, v, layout, count, scale, None, (first, step, q_heads))
+
+
+def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | None, strided: tuple | None = None):
+    """The split-K launch behind tail_attention (the last ``last`` rows, every head) and
+    line_rows_attention (strided: (first, step, q_heads))."""
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
+    served = q_heads if strided is None else strided[2].numel()
     q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
     sq, sk, sv = (bhn_strides(t, varlen) for t in (q, k, v))
     head_dim = q.shape[-1]
@@ -133,20 +158,21 @@ def tail_attention(
     block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
     tile_n = 64
     m_tiles = triton.cdiv(rows, block_m)
-    splits = splits or _num_splits(kv_len_max, m_tiles * batch * q_heads, tile_n)
+    splits = splits or _num_splits(kv_len_max, m_tiles * batch * served, tile_n)
     chunk = triton.cdiv(triton.cdiv(kv_len_max, splits), tile_n) * tile_n
     splits = triton.cdiv(kv_len_max, chunk)
-    part_o = torch.zeros(splits, batch, q_heads, last, head_dim, dtype=torch.float32, device=q.device)
-    part_l = torch.full((splits, batch, q_heads, last), float("-inf"), dtype=torch.float32, device=q.device)
+    part_o = torch.zeros(splits, batch, served, last, head_dim, dtype=torch.float32, device=q.device)
+    part_l = torch.full((splits, batch, served, last), float("-inf"), dtype=torch.float32, device=q.device)
+    first, step, head_map = strided if strided is not None else (0, 1, layout.cu_q)
     # Same shape of tile as the block-sparse kernel's measured best (4 warps, 2 stages, 64-wide keys).
     config = {"num_warps": 4, "num_stages": 1 if interpreting() else 2}
-    _tail_split_fwd[(splits, m_tiles, batch * q_heads)](
-        q, k, v, part_o, part_l, layout.cu_q, layout.cu_k,
-        scale * LOG2E, q_len_max, kv_len_max, last, chunk,
+    _tail_split_fwd[(splits, m_tiles, batch * served)](
+        q, k, v, part_o, part_l, layout.cu_q, layout.cu_k, head_map,
+        scale * LOG2E, q_len_max, kv_len_max, last, chunk, first, step, served,
         *sq, *sk, *sv,
         *part_o.stride()[:4], *part_l.stride()[:3],
-        Q_HEADS=q_heads, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=block_m, TILE_N=tile_n, VARLEN=varlen, DOT_F32=dot_f32(q.dtype), **config,
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        BLOCK_M=block_m, TILE_N=tile_n, VARLEN=varlen, DOT_F32=dot_f32(q.dtype), STRIDED=strided is not None, **config,
     )
     return merge_partials(part_o, part_l, dim=0)
 

@@ -14,19 +14,21 @@ searched stride; Alg. 1 picks stride and phase online from the last queries (``e
 
 ``build_index`` returns the plain (un-permuted) block cover: every key block holding an admitted token,
 full when it is wholly causal and inside kv_len, partial otherwise (window off, so a listed block is
-computed whole). ``build_permuted_index`` is Alg. 1's permutation read in place (Alg. 5): line rows and
-line keys gathered to the front of their axis by int32 row/column maps the block-sparse kernel applies in
-its loads and stores, the index built in the permuted coordinates.
+computed whole). ``build_lines_index`` is Alg. 1's permutation read in place (Alg. 5) by index arithmetic:
+the horizontal-line rows gathered to the front of the rows as strided slots, the vertical-line keys read
+as strided columns, keys otherwise in place (so the band's blocks stay contiguous tiles); the
+block-sparse kernel applies it in its loads and stores, with no map and no permuted copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..index import BlockIndex, num_blocks
+from ..index import BlockIndex, GridLines, num_blocks
 from ._common import (
     ascii_blocks, ascii_mask, causal_entries, check_bool, check_int, check_lengths, expand_heads, full_block,
     index_entries, index_from_candidates, last_q_sums, predicate_grid, query_block_bounds,
@@ -156,68 +158,46 @@ def _cover_index(hit: torch.Tensor, is_full: torch.Tensor, block_m: int, block_n
     return expand_heads(index, batch, heads)
 
 
-def line_order(params: GridParams, length: int, offset: int = 0, device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
-    """The grid permutation of one axis (Alg. 1's permute, App. C.4 Fig. 8): tokens at positions
-    offset .. offset + length - 1 on the line (position % stride == phase) first, then the rest, each in
-    original order. Returns (order int64 [length]: the token index at each permuted slot, lines: how many
-    lead). Rows use the query frame's offset (kv_len - q_len), keys offset 0."""
-    check_int("length", length, 1)
-    idx = torch.arange(length, device=device, dtype=torch.int64)
-    on = (idx + offset) % params.stride == params.phase
-    return torch.cat([idx[on], idx[~on]]), int(on.sum())
-
-
-def _block_ranges(pos: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest and largest original position in each block of a permuted axis: two int64 [num_blocks]."""
-    n = pos.numel()
-    pad = num_blocks(n, block) * block - n
-    lo = torch.nn.functional.pad(pos, (0, pad), value=pos.max().item()).view(-1, block).amin(-1)
-    hi = torch.nn.functional.pad(pos, (0, pad), value=pos.min().item()).view(-1, block).amax(-1)
-    return lo, hi
-
-
-def permuted_cover(
+def lines_cover(
     params: GridParams, q_len: int, kv_len: int, block_m: int, block_n: int, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block cover of the grid in permuted coordinates: (any, is_full) bool [QB, KB], row_order [q_len],
-    col_order [kv_len] (line_order of each axis).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GridLines]:
+    """Block cover of the grid read in place by arithmetic (Alg. 1's permutation without a permuted copy):
+    (hit, is_full) bool [QB, KB], line_cols int64 [QB], and the GridLines (line_cols unset).
 
-    After the permutation the horizontal-line rows form whole row blocks that attend every causal key, the
-    vertical-line keys whole key blocks that every row attends, and the remaining rows and keys keep their
-    order, so the local band stays a narrow diagonal. Each permuted block is tested by the original
-    position ranges [p0, p1] of its rows and [k0, k1] of its keys: a line row or key in it, or the band /
-    slash offset range [max(0, p0 - k1), p1 - k0] meeting [0, local) / a multiple of stride — a superset of
-    the predicate's tokens. Causality is by original positions (the kernel's col_map rule): a block is
-    causal when k0 <= p1 and full when every key precedes every row (k1 <= p0) and the block is whole.
+    Every row lists its local band (a suffix of its causal key blocks, exact block arithmetic as in
+    ``block_cover``) and its slash blocks. Keys stay in place, so band blocks are contiguous tiles; the
+    vertical-line keys below the band come as strided columns (line_cols per block), and any listed block
+    below the band is partial so the kernel can mask the line keys it holds (the columns have them). The
+    horizontal-line rows (row_phase + stride * s) attend every causal key and are not in the cover: the
+    kernels compute them apart. Causality is by original position everywhere.
     """
     p = params
     if p.stride > kv_len:
         raise ValueError(f"grid stride {p.stride} is longer than the sequence ({kv_len} keys): no line repeats")
     offset = kv_len - q_len
-    row_order, row_lines = line_order(p, q_len, offset, device)
-    col_order, col_lines = line_order(p, kv_len, 0, device)
-    p0, p1 = _block_ranges(row_order + offset, block_m)
-    k0, k1 = _block_ranges(col_order, block_n)
+    row_phase = (p.phase - offset) % p.stride
+    row_lines = max(0, -(-(q_len - row_phase) // p.stride)) if p.use_hline else 0
+    k0 = torch.arange(num_blocks(kv_len, block_n), device=device, dtype=torch.int64)[None, :] * block_n
+    k1 = torch.clamp(k0 + block_n - 1, max=kv_len - 1)
+    p0, p1 = query_block_bounds(q_len, kv_len, block_m, device)
     p0, p1 = p0[:, None], p1[:, None]
-    k0, k1 = k0[None, :], k1[None, :]
     causal = k0 <= p1
     d_lo = torch.clamp(p0 - k1, min=0)
-    d_hi = p1 - k0
-    hit = d_lo <= torch.clamp(d_hi, max=p.local - 1)
-    if p.use_hline:
-        rows_on = torch.arange(p0.shape[0], device=device)[:, None] * block_m < row_lines
-        hit = hit | rows_on
-    if p.use_vline:
-        keys_on = torch.arange(k0.shape[1], device=device)[None, :] * block_n < col_lines
-        hit = hit | keys_on
+    band = (d_lo <= p.local - 1) & causal
+    hit, full = band, (k1 <= p0) & (k0 + block_n <= kv_len)
     if p.use_slash:
         first_mult = (d_lo + p.stride - 1) // p.stride * p.stride
-        hit = hit | (first_mult <= d_hi)
-    whole = (torch.arange(k0.shape[1], device=device)[None, :] + 1) * block_n <= kv_len
-    return hit & causal, (k1 <= p0) & whole, row_order, col_order
+        hit = hit | ((first_mult <= p1 - k0) & causal)
+    line_cols = torch.zeros(hit.shape[0], dtype=torch.int64, device=device)
+    if p.use_vline:
+        # The band is a suffix of the causal blocks (d_lo grows leftwards) holding the row's own block.
+        col_hi = band.long().argmax(-1) * block_n
+        line_cols = torch.clamp((col_hi - p.phase + p.stride - 1) // p.stride, min=0)
+        full = full & (k0 >= col_hi[:, None])
+    return hit, full & hit, line_cols, GridLines(p.stride, row_phase, row_lines, p.phase, None, q_len, kv_len)
 
 
-def build_permuted_index(
+def build_lines_index(
     params: GridParams,
     q_len: int,
     kv_len: int | None = None,
@@ -228,26 +208,34 @@ def build_permuted_index(
     block_n: int = 64,
     head_space: str = "query",
     device: torch.device | str | None = None,
-) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
-    """The permuted grid (Alg. 1 + Alg. 5) as a BlockIndex in permuted coordinates (views of [1, 1, QB, *])
-    and the kernels' maps: row_map int32 [q_len], col_map int32 [kv_len] (slot -> original row / key),
-    read in place by block_sparse_attention(row_map=..., col_map=...). Its listed blocks, each computed
-    whole and causal by original position, hold every token the predicate admits."""
+) -> tuple[BlockIndex, GridLines]:
+    """The grid read in place (``lines_cover``) as a BlockIndex (views of [1, 1, QB, *]) and the GridLines
+    the kernels apply by arithmetic: ``block_sparse_attention(..., lines=)``. No map and no
+    memory proportional to the sequence beyond the index and one int32 per query block."""
     kv_len = check_lengths(q_len, kv_len)
-    hit, is_full, row_order, col_order = permuted_cover(params, q_len, kv_len, block_m, block_n, device)
-    index = _cover_index(hit, is_full, block_m, block_n, head_space, batch, heads, {"pattern": NAME, "permuted": True})
-    return index, row_order.to(torch.int32), col_order.to(torch.int32)
+    hit, is_full, line_cols, lines = lines_cover(params, q_len, kv_len, block_m, block_n, device)
+    index = _cover_index(hit, is_full, block_m, block_n, head_space, batch, heads, {"pattern": NAME, "lines": True})
+    cols = line_cols.to(torch.int32) if params.use_vline else None
+    return index, dataclasses.replace(lines, line_cols=cols)
 
 
-def permuted_mask(params: GridParams, q_len: int, kv_len: int | None = None, *, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
-    """bool [q_len, kv_len] in original positions: the tokens the permuted grid computes (its listed blocks
-    mapped back through the permutation, causal). For tests and drawings: it is token x token."""
+def lines_mask(params: GridParams, q_len: int, kv_len: int | None = None, *, block_m: int = 64, block_n: int = 64,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [len(rows), kv_len] in original positions: the tokens the grid read in place computes for q rows
+    ``rows`` (default all; line rows: every causal key; other rows: their listed blocks and the line keys
+    below the band). For tests and drawings: it is token x token."""
     kv_len = check_lengths(q_len, kv_len)
-    hit, _, row_order, col_order = permuted_cover(params, q_len, kv_len, block_m, block_n)
-    slots = hit[torch.arange(q_len) // block_m][:, torch.arange(kv_len) // block_n]
-    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
-    mask[row_order[:, None], col_order[None, :]] = slots
-    return mask & (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len))
+    device = None if rows is None else rows.device
+    hit, _, line_cols, lines = lines_cover(params, q_len, kv_len, block_m, block_n, device)
+    rows = torch.arange(q_len, device=device) if rows is None else rows.long()
+    keys = torch.arange(kv_len, device=device)
+    block = rows // block_m
+    mask = hit[block][:, keys // block_n]
+    if params.use_vline:
+        col_hi = params.phase + params.stride * line_cols[block]
+        mask = mask | (((keys[None, :] - params.phase) % params.stride == 0) & (keys[None, :] < col_hi[:, None]))
+    mask = mask | lines.is_line_row(rows)[:, None]
+    return mask & (keys[None, :] <= rows[:, None] + (kv_len - q_len))
 
 
 def density(params: GridParams, q_len: int, *, kv_len: int | None = None, block_m: int = 64, block_n: int = 64) -> float:

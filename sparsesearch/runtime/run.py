@@ -33,8 +33,8 @@ class Runner:
         # Modality ids of the prompt being prefilled, int [N] or [B, N] (0 text, 1 image, 2 video), set by
         # the caller (runtime.set_modality): boundary heads run their region patterns only with them.
         self.modality: torch.Tensor | None = None
-        # Grid heads by their permuted form (execute.permuted_grid_index: line rows/keys read in place through
-        # row/col maps) where it lists fewer blocks than the plain cover the search scored. Off by default:
+        # Grid heads by their permuted form (execute.permuted_grid_index: lines read in place by index
+        # arithmetic) where it computes fewer tiles than the plain cover the search scored. Off by default:
         # both cover every token the grid admits, but the extra tokens differ, so the artifact's scores
         # describe the plain one.
         self.permute_grid = False
@@ -85,8 +85,8 @@ class Runner:
                 g = dataclasses.replace(g, heads=heads)
             heads = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
             if self.permute_grid and g.pattern == "grid":
-                index, row_map, col_map = self._static.permuted(g, q, k, self.plan.head_space)
-                sparse_attend(q, k, v, index, scale, heads, out, lse, row_map=row_map, col_map=col_map)
+                index, lines = self._static.permuted(g, q, k, self.plan.head_space)
+                sparse_attend(q, k, v, index, scale, heads, out, lse, lines=lines)
             else:
                 sparse_attend(q, k, v, self._static.index(g, q, k, self.plan.head_space), scale, heads, out, lse)
             covered.update(query_heads(g.heads, self.plan.head_space, group))
