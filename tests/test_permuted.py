@@ -417,3 +417,15 @@ def test_identity_maps_are_the_plain_path(backend):
         assert torch.equal(a, b) and torch.equal(la, lb)
     else:
         assert relative_error(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grid_lines_of_another_shape_or_with_maps_are_refused_before_any_launch(backend):
+    q, k, v = qkv(64, batch=1)
+    params = grid.GridParams(stride=8, phase=1, local=16)
+    index, lines = grid.build_lines_index(params, 64, 64, heads=2, block_m=16, block_n=16, head_space="kv", device=DEVICE)
+    with pytest.raises(ValueError, match="built for 64 queries x 64 keys, inputs have 48 x 64"):
+        BACKENDS[backend](q[:, :, :48].contiguous(), k, v, index, lines=lines)
+    row_map = torch.arange(64, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="grid lines take the dense"):
+        BACKENDS[backend](q, k, v, index, lines=lines, row_map=row_map)
