@@ -89,7 +89,6 @@ def grid_rows(n: int, q, k, v, sdpa, args, cuda: bool, common: dict) -> list[dic
     line columns as explicit gathered ids (index.explicit_lines), the same line-row pass — and against the
     plain block cover (grid.build_index) the search scores."""
     rows_out = []
-    group = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for name, params in GRID_CASES:

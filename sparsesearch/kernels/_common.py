@@ -274,8 +274,7 @@ def check_maps(q: torch.Tensor, k: torch.Tensor, row_map: torch.Tensor | None, c
     return Maps(q_len, kv_len, k.shape[2] - q.shape[2], col_map is not None)
 
 
-def check_lines(q: torch.Tensor, k: torch.Tensor, lines: GridLines | None, q_blocks: int, block_m: int,
-                maps: object, varlen: bool) -> None:
+def check_lines(q: torch.Tensor, k: torch.Tensor, lines: GridLines | None, q_blocks: int, maps: object, varlen: bool) -> None:
     """Validate grid lines against the inputs before any launch (dense layout, no row/col maps)."""
     if lines is None:
         return

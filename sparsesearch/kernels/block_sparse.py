@@ -330,15 +330,16 @@ def block_sparse_attention(
     (col_map[j] <= row_map[i] + Nk - Nq), so the maps need not keep order; the window/sink frame is
     row_pos, else (row_map only) the original position, else bottom-right in region coordinates. out/lse given with Nq rows:
     written at row_map[i] (original positions); None or Nq_r rows: compact, row i at i.
-    lines: a grid head's stride/phase by index arithmetic (kernels/_common.GridLines, built with its index by
-    patterns/grid.py build_lines_index): the index's rows are line slots then every row, its key blocks in
-    original coordinates, plus strided vertical-line columns; out/lse are written in original positions.
+    lines: a grid head's stride/phase by index arithmetic (index.GridLines, built with its index by
+    patterns/grid.py build_lines_index): the index covers every row with key blocks in original
+    coordinates, plus strided vertical-line columns; the horizontal-line rows are computed apart, split over
+    keys, and written over the index pass.
     """
     maps = check_maps(q, k, row_map, col_map, row_pos, cu_seqlens_q is not None or cu_seqlens_k is not None)
     layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos if maps is None else None)
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
     q_len_max, kv_len_max = (layout.q_len_max, layout.kv_len_max) if maps is None else (maps.q_len, maps.kv_len)
-    check_lines(q, k, lines, index.q_blocks, index.block_m, maps, varlen)
+    check_lines(q, k, lines, index.q_blocks, maps, varlen)
     space_heads = kv_heads if index.head_space == "kv" else q_heads
     served = _check_head_map(heads, space_heads, q.device)
     check_index(index, batch, space_heads if served is None else served, q_len_max, q.device)

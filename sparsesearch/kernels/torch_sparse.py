@@ -51,7 +51,7 @@ def block_sparse_attention_torch(
     """
     maps = check_maps(q, k, row_map, col_map, row_pos, varlen=False)
     if lines is not None:
-        check_lines(q, k, lines, index.q_blocks, index.block_m, maps, varlen=False)
+        check_lines(q, k, lines, index.q_blocks, maps, varlen=False)
         out, lse = block_sparse_attention_torch(q, k, v, explicit_lines(index, lines), scale=scale, heads=heads, out=out, lse=lse)
         if lines.row_lines:  # the band-only results of the line rows are overwritten
             _line_rows(q, k, v, lines, index, heads, scale, out, lse)

@@ -15,9 +15,9 @@ searched stride; Alg. 1 picks stride and phase online from the last queries (``e
 ``build_index`` returns the plain (un-permuted) block cover: every key block holding an admitted token,
 full when it is wholly causal and inside kv_len, partial otherwise (window off, so a listed block is
 computed whole). ``build_lines_index`` is Alg. 1's permutation read in place (Alg. 5) by index arithmetic:
-the horizontal-line rows gathered to the front of the rows as strided slots, the vertical-line keys read
-as strided columns, keys otherwise in place (so the band's blocks stay contiguous tiles); the
-block-sparse kernel applies it in its loads and stores, with no map and no permuted copy.
+keys stay in place (so the band's blocks stay contiguous tiles), the vertical-line keys are read as
+strided columns and the horizontal-line rows are computed apart, split over keys; the kernels apply it
+in their loads and stores, with no map and no permuted copy.
 """
 
 from __future__ import annotations
