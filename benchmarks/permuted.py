@@ -5,13 +5,17 @@ gathered-copy path (regions) or the plain block cover (grid), with SDPA timed ne
 Cases: a grid head (patterns/grid.py build_lines_index, see ``grid_rows``) and the regions of a fragmented video/text prompt (Q-boundary rows video x all keys, 2D intra
 video x video, 2D cross text x video) with an A-shape index in the region frame. For each case:
 
-* ``t_ours_ms``     the kernel reading Q/K/V in place through the maps, O/lse stored in original rows;
+* ``t_ours_ms``     the kernel reading Q/K/V in place through the maps (index.RegionMaps: a modality's
+                    runs of consecutive keys load as plain tiles), O/lse stored in original rows;
 * ``t_plain_ms``    the same BlockIndex (same block lists: equal density, equal tiles) without maps, on
                     tensors of the region's size (copies made outside the timing) — the target is
                     t_ours <= 1.10 x t_plain (``overhead`` = t_ours / t_plain - 1);
+* ``t_no_runs_ms``  (regions with a column map) the same maps with every key tile gathered through
+                    col_map, as before runs were read as plain tiles;
 * ``t_gathered_ms`` the path this replaces: index_select copies of the rows and keys, the plain kernel,
                     and the outputs copied back to their original rows;
-* ``index_ms`` / ``map_check_ms`` the index build and the launcher's map validation (inside t_ours).
+* ``index_ms`` / ``map_check_ms`` the index build and a full check of maps from elsewhere
+                    (kernels.region_maps, once per maps; Region.maps needs none); neither is in t_ours.
 
 Efficiency = density x t_SDPA / t_kernel; density = listed blocks x block area over the causal matrix
 (N^2/2). ``map_bytes`` is the only memory proportional to the sequence that the maps add.
@@ -26,6 +30,7 @@ Rows (JSON list) go to benchmarks/results/permuted_<device>.json unless --out sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -39,8 +44,7 @@ import torch.nn.functional as F
 import triton
 
 from sparsesearch.index import BlockIndex, explicit_lines
-from sparsesearch.kernels import block_sparse_attention
-from sparsesearch.kernels._common import check_maps
+from sparsesearch.kernels import block_sparse_attention, region_maps
 from sparsesearch.kernels.triangle import line_rows_attention
 from sparsesearch.patterns import ashape, boundary, grid
 from sparsesearch.reference import index_mask_fn, masked_attention, relative_error
@@ -160,12 +164,12 @@ def region_cases(n: int, heads: int, args, device) -> list[tuple]:
     cases = []
     for q_mod, k_mod in (("video", "all"), ("video", "video"), ("text", "video")):
         region = boundary.make_region(q_mod, k_mod, pos)
-        row_map, col_map = region.maps(device)
+        maps = region.maps(device, n)
         build = lambda region=region: ashape.build_index(a, region.q_idx.numel(), region.k_idx.numel(), heads=heads, block_m=args.block_m,
                                                          block_n=args.block_n, head_space="kv", device=device, row_pos=region.row_pos)
         cases.append((f"region_{q_mod}>{k_mod}_ashape", {"sink": a.sink, "local": a.local, "rows": region.q_idx.numel(),
                                                          "keys": region.k_idx.numel()},
-                      build, build(), row_map, col_map, region.row_pos))
+                      build, build(), maps))
     return cases
 
 
@@ -204,7 +208,8 @@ def run(args) -> list[dict]:
                           "block_m": args.block_m, "block_n": args.block_n, "command": command}
         rows_out += grid_rows(n, q, k, v, sdpa, args, cuda, command_fields)
         cases = region_cases(n, args.kv_heads, args, device)
-        for name, params, build, index, row_map, col_map, row_pos in cases:
+        for name, params, build, index, maps in cases:
+            row_map, col_map, row_pos = maps.row_map, maps.col_map, maps.row_pos
             if args.cases and not any(c in name for c in args.cases):
                 continue
             rows = torch.arange(n, device=device) if row_map is None else row_map.long()
@@ -214,10 +219,13 @@ def run(args) -> list[dict]:
             frame = row_pos  # the plain launch's causal rule differs for the grid (not its tiles or work)
 
             def ours():
-                block_sparse_attention(q, k, v, index, row_pos=row_pos, row_map=row_map, col_map=col_map, out=out, lse=lse)
+                block_sparse_attention(q, k, v, index, maps=maps, out=out, lse=lse)
 
             def plain():
                 block_sparse_attention(q_r, k_r, v_r, index, row_pos=frame)
+
+            def gathered_tiles():  # the same maps without runs: every key tile gathered through col_map
+                block_sparse_attention(q, k, v, index, maps=dataclasses.replace(maps, increasing=False), out=out, lse=lse)
 
             def gathered():
                 qg, kg, vg = q.index_select(2, rows), k.index_select(2, keys), v.index_select(2, keys)
@@ -229,9 +237,10 @@ def run(args) -> list[dict]:
             t_ours = bench(ours, cuda)
             t_plain = bench(plain, cuda)
             t_gathered = bench(gathered, cuda)
+            t_no_runs = bench(gathered_tiles, cuda) if col_map is not None else None
             t_sdpa = (t_sdpa_before + bench(sdpa, cuda)) / 2  # SDPA around the case: clocks drift in long runs
             index_ms = bench(build, cuda)
-            map_check_ms = bench(lambda: check_maps(q, k, row_map, col_map, row_pos, False), cuda)
+            map_check_ms = bench(lambda: region_maps(row_map, col_map, row_pos, n, n), cuda)
             ours()
             tail = rows[-min(256, rows.numel()):]
             mask = mapped_mask(index, row_map, col_map, row_pos, n, tail, group)
@@ -245,6 +254,7 @@ def run(args) -> list[dict]:
                 "head_dim": args.dim, "dtype": args.dtype, "block_m": args.block_m, "block_n": args.block_n,
                 "density": round(density, 5), "t_sdpa_ms": round(t_sdpa, 4), "t_ours_ms": round(t_ours, 4),
                 "t_plain_ms": round(t_plain, 4), "t_gathered_ms": round(t_gathered, 4),
+                "t_no_runs_ms": None if t_no_runs is None else round(t_no_runs, 4),
                 "overhead_vs_plain": round(t_ours / t_plain - 1, 4), "speedup_vs_gathered": round(t_gathered / t_ours, 3),
                 "eff_ours": round(density * t_sdpa / t_ours, 3), "eff_plain": round(density * t_sdpa / t_plain, 3),
                 "index_ms": round(index_ms, 4), "map_check_ms": round(map_check_ms, 4), "map_bytes": map_bytes,
@@ -252,7 +262,7 @@ def run(args) -> list[dict]:
             }
             rows_out.append(row)
             print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "t_plain_ms", "t_gathered_ms",
-                                                     "overhead_vs_plain", "index_ms", "map_check_ms", "rel_err_last_rows")}), flush=True)
+                                                     "t_no_runs_ms", "overhead_vs_plain", "index_ms", "map_check_ms", "rel_err_last_rows")}), flush=True)
         del q, k, v, out, lse
         if cuda:
             torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .index import BlockIndex, GridLines, num_blocks
+from .index import BlockIndex, GridLines, RegionMaps, num_blocks
 from .patterns.registry import REGISTRY, pattern
 
 CACHE_LIMIT = 64  # static indices kept per StaticIndexCache (one model's distinct call shapes)
@@ -160,23 +160,22 @@ def _blocks(index: BlockIndex, lines: GridLines | None = None) -> int:
 
 
 def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None, *,
-                  row_map=None, col_map=None, lines: GridLines | None = None) -> None:
+                  maps: RegionMaps | None = None, lines: GridLines | None = None) -> None:
     """One launch over the query heads the index serves (``heads``: int32 head-space ids, one per index head)
-    into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a permuted region's frame. row_map / col_map:
-    int32, the region (or permutation) read in place from the whole q/k/v (kernels/block_sparse.py); out/lse
+    into out [B, Hq, Nq, D] and lse fp32 [B, Hq, Nq]. row_pos: a gathered region's frame. maps: the region
+    read in place from the whole q/k/v (index.RegionMaps, its frame inside; kernels/block_sparse.py); out/lse
     with the whole q's rows are written at row_map, with the region's rows compactly. Without maps q/k/v
     are the region's gathered rows and keys. lines: a grid group read in place by arithmetic
     (``permuted_grid_index``)."""
     if q.is_cuda:
         from .kernels import block_sparse_attention
 
-        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos, row_map=row_map, col_map=col_map,
-                               lines=lines)
+        block_sparse_attention(q, k, v, index, scale=scale, heads=heads, out=out, lse=lse, row_pos=row_pos, maps=maps, lines=lines)
     else:
         from .kernels.torch_sparse import block_sparse_attention_torch
 
         block_sparse_attention_torch(q, k, v, index, scale=scale, heads=heads.cpu(), out=out, lse=lse, row_pos=row_pos,
-                                     row_map=row_map, col_map=col_map, lines=lines)
+                                     maps=maps, lines=lines)
 
 
 def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) -> None:
@@ -232,7 +231,7 @@ def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: floa
     region's rows (heads no group serves stay (0, -inf)); or, given out [1, Hq, N, D] and lse [1, Hq, N],
     writes the served heads' rows there at their original positions and returns them."""
     region = region.to(q.device)  # regions follow the modality ids' device; the launch needs q's
-    row_map, col_map = region.maps(q.device)
+    maps = region.maps(q.device, q.shape[2])
     if out is None:
         rows = region.q_idx.numel()
         out = q.new_zeros(q.shape[0], q.shape[1], rows, q.shape[3])
@@ -240,7 +239,7 @@ def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: floa
     for g in groups:
         index = region_index(g, q, k, region, space)
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-        sparse_attend(q, k, v, index, scale, ids, out, lse, region.row_pos, row_map=row_map, col_map=col_map)
+        sparse_attend(q, k, v, index, scale, ids, out, lse, None if maps is not None else region.row_pos, maps=maps)
     return out, lse
 
 

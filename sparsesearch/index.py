@@ -159,6 +159,60 @@ class GridLines:
         return (rows - self.row_phase) % self.stride == 0
 
 
+@dataclass(frozen=True)
+class RegionMaps:
+    """A modality region (or any permutation) read in place by the kernels: region row i is q row
+    row_map[i], region key j is k/v row col_map[j] (None: every row, or every key, in order); row_pos, the
+    region frame (patterns/boundary.py: each row's frontier among the region's keys), or None. q_len /
+    kv_len: the token counts of the whole q and k the maps index. increasing: col_map is strictly
+    increasing (a modality's keys in original order), so a key tile is one run of consecutive k/v rows
+    exactly when its first and last ids differ by its width, and the kernels load such tiles as plain
+    contiguous tiles (TMA on Hopper) instead of gathering them row by row.
+
+    Build with ``kernels.region_maps`` (checks every value once, with a device sync) or
+    ``boundary.Region.maps`` (valid by construction). The kernels check only shapes, dtypes and devices
+    here, so a launch costs no sync: the values were checked when the maps were made."""
+
+    row_map: torch.Tensor | None  # int32 [Nq_r]
+    col_map: torch.Tensor | None  # int32 [Nk_r]
+    row_pos: torch.Tensor | None  # int64 [Nq_r]
+    q_len: int
+    kv_len: int
+    increasing: bool = False
+
+    def __post_init__(self):
+        for name in ("row_map", "col_map"):
+            m = getattr(self, name)
+            if m is not None and (m.dim() != 1 or m.dtype != torch.int32 or m.numel() == 0):
+                raise ValueError(f"{name} must be a non-empty 1-D int32 tensor, got {m.dtype} {tuple(m.shape)}")
+        if self.row_map is None and self.col_map is None:
+            raise ValueError("region maps need a row_map, a col_map or both")
+        devices = {t.device for t in (self.row_map, self.col_map, self.row_pos) if t is not None}
+        if len(devices) > 1:
+            raise ValueError(f"row_map, col_map and row_pos must share a device, got {sorted(map(str, devices))}")
+        if self.row_pos is not None and (self.row_pos.dim() != 1 or self.row_pos.numel() != self.rows):
+            raise ValueError(f"row_pos must be an int tensor [{self.rows}], got {self.row_pos.dtype} {tuple(self.row_pos.shape)}")
+
+    @property
+    def rows(self) -> int:
+        """Nq_r: the region's rows."""
+        return self.q_len if self.row_map is None else self.row_map.numel()
+
+    @property
+    def keys(self) -> int:
+        """Nk_r: the region's keys."""
+        return self.kv_len if self.col_map is None else self.col_map.numel()
+
+    @property
+    def pos_shift(self) -> int:
+        """Nk - Nq: the bottom-right frame of the whole tensors places q row r at key position r + pos_shift."""
+        return self.kv_len - self.q_len
+
+    @property
+    def device(self) -> torch.device:
+        return (self.row_map if self.row_map is not None else self.col_map).device
+
+
 def num_blocks(length: int, block: int) -> int:
     return (length + block - 1) // block
 

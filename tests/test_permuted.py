@@ -17,8 +17,8 @@ import torch
 
 from conftest import DEVICE
 from sparsesearch.execute import HeadGroup, attend_boundary, build_group_index, run_region
-from sparsesearch.index import explicit_lines
-from sparsesearch.kernels import block_sparse_attention
+from sparsesearch.index import BlockIndex, explicit_lines
+from sparsesearch.kernels import block_sparse_attention, region_maps
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
 from sparsesearch.patterns import ashape, boundary, dense, grid, vertical_slash
 from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, pool_mask, predicate_mask_fn, relative_error
@@ -85,13 +85,12 @@ def oracle_rows(q, k, v, rows: torch.Tensor, mask: torch.Tensor, upcast: bool = 
 
 def run_mapped(fn, q, k, v, index, region, full_out: bool):
     """One launch reading the region in place; full_out: out/lse of the whole q (written at row_map)."""
-    row_map, col_map = region.maps(q.device)
-    row_pos = None if region.row_pos is None else region.row_pos.to(q.device)
+    maps = region.maps(q.device, q.shape[2])
     if not full_out:
-        return fn(q, k, v, index, scale=SCALE, row_pos=row_pos, row_map=row_map, col_map=col_map)
+        return fn(q, k, v, index, scale=SCALE, maps=maps)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
-    fn(q, k, v, index, scale=SCALE, row_pos=row_pos, row_map=row_map, col_map=col_map, out=out, lse=lse)
+    fn(q, k, v, index, scale=SCALE, maps=maps, out=out, lse=lse)
     rows = region.q_idx.to(q.device)
     untouched = torch.ones(q.shape[2], dtype=torch.bool, device=q.device)
     untouched[rows] = False
@@ -350,32 +349,45 @@ def _maps_case():
     return q, k, v, index
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("row_map, col_map, message", [
     (torch.arange(24, dtype=torch.int64), torch.arange(30, dtype=torch.int32), "row_map must be a non-empty 1-D int32"),
     (torch.arange(24, dtype=torch.int32) + 20, torch.arange(30, dtype=torch.int32), r"row_map values must lie in \[0, 39\], got \[20, 43\]"),
     (torch.arange(24, dtype=torch.int32), torch.zeros(30, dtype=torch.int32), "col_map must not repeat a position"),
     (torch.arange(24, dtype=torch.int32), torch.arange(30, dtype=torch.int32) - 1, r"col_map values must lie in \[0, 39\], got \[-1, 28\]"),
+    (torch.arange(24, dtype=torch.int32), None, r"row_pos values must lie in \[-1, 39\], got \[17, 40\]"),
 ])
-def test_bad_maps_are_refused_before_any_launch(backend, row_map, col_map, message):
-    q, k, v, index = _maps_case()
-    out = torch.full_like(q, float("nan"))
+def test_bad_maps_are_refused_when_made(row_map, col_map, message):
+    """region_maps checks every value once; the launches then check only shapes (no device sync)."""
+    row_pos = torch.arange(24, device=DEVICE) + (17 if col_map is None else 0)
     with pytest.raises(ValueError, match=message):
-        BACKENDS[backend](q, k, v, index, row_map=row_map.to(DEVICE), col_map=col_map.to(DEVICE), row_pos=torch.arange(24, device=DEVICE),
-                          out=out)
-    assert bool(out.isnan().all())
+        region_maps(row_map.to(DEVICE), None if col_map is None else col_map.to(DEVICE), row_pos, 40, 40)
 
 
-def test_maps_refuse_varlen_and_a_frame_of_the_wrong_length():
+def test_region_maps_know_an_increasing_column_map():
+    cm = torch.tensor([1, 2, 3, 7, 9], dtype=torch.int32, device=DEVICE)
+    assert region_maps(None, cm, None, 10, 10).increasing
+    assert not region_maps(None, cm.flip(0), None, 10, 10).increasing
+    assert not region_maps(cm, None, None, 10, 10).increasing  # no column map: nothing to run
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_maps_of_another_shape_or_with_a_second_frame_are_refused_before_any_launch(backend):
     q, k, v, index = _maps_case()
     rm, cm = torch.arange(24, dtype=torch.int32, device=DEVICE), torch.arange(30, dtype=torch.int32, device=DEVICE)
+    maps = region_maps(rm, cm, torch.arange(24, device=DEVICE), 40, 40)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match="region maps index 40 queries x 40 keys, inputs have 36 x 40"):
+        BACKENDS[backend](q[:, :, :36].contiguous(), k, v, index, maps=maps)
+    with pytest.raises(ValueError, match="row_pos comes with the region maps"):
+        BACKENDS[backend](q, k, v, index, maps=maps, row_pos=torch.arange(24, device=DEVICE), out=out)
     with pytest.raises(ValueError, match=r"row_pos must be an int tensor \[24\]"):
-        block_sparse_attention_torch(q, k, v, index, row_map=rm, col_map=cm, row_pos=torch.arange(30, device=DEVICE))
+        region_maps(rm, cm, torch.arange(30, device=DEVICE), 40, 40)
     with pytest.raises(ValueError, match="dense"):
         block_sparse_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), index,
                                cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32, device=DEVICE),
                                cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32, device=DEVICE),
-                               row_map=rm)
+                               maps=region_maps(rm, None, None, 40, 40))
+    assert bool(out.isnan().all())
 
 
 def test_grid_strides_out_of_range_are_refused():
@@ -411,12 +423,30 @@ def test_identity_maps_are_the_plain_path(backend):
     idx = ashape.build_index(ashape.AShapeParams(sink=4, local=20), 48, 48, heads=2, block_m=16, block_n=16, head_space="kv",
                              device=DEVICE)
     rm = torch.arange(48, dtype=torch.int32, device=DEVICE)
-    a, la = BACKENDS[backend](q, k, v, idx, row_map=rm, col_map=rm)
+    a, la = BACKENDS[backend](q, k, v, idx, maps=region_maps(rm, rm, None, 48, 48))
     b, lb = BACKENDS[backend](q, k, v, idx, scale=1 / math.sqrt(64))
     if backend == "triton":
         assert torch.equal(a, b) and torch.equal(la, lb)
     else:
         assert relative_error(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_column_map_out_of_order_is_gathered_and_causal_by_original_position(backend):
+    """A key permutation that is not increasing (no runs: every tile gathered, no TMA) over an index of
+    partial blocks only: causality by original position makes it plain causal attention."""
+    q, k, v = qkv(48, batch=1)
+    cm = torch.randperm(48, generator=torch.Generator().manual_seed(3)).to(device=DEVICE, dtype=torch.int32)
+    maps = region_maps(torch.arange(48, dtype=torch.int32, device=DEVICE), cm, None, 48, 48)
+    assert not maps.increasing
+    shape = (1, 2, 3)
+    every = torch.arange(3, dtype=torch.int32, device=DEVICE).expand(*shape, 3).contiguous()
+    none = torch.zeros(shape, dtype=torch.int32, device=DEVICE)
+    index = BlockIndex(none, none[..., None].contiguous(), torch.full(shape, 3, dtype=torch.int32, device=DEVICE), every, 16, 16, "kv")
+    out, lse = BACKENDS[backend](q, k, v, index, scale=SCALE, maps=maps)
+    ref, ref_lse = masked_attention(q, k, v, scale=SCALE)
+    assert relative_error(out, ref) < error_floor(torch.float32, DEVICE)
+    assert relative_error(lse, ref_lse) < error_floor(torch.float32, DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -426,6 +456,6 @@ def test_grid_lines_of_another_shape_or_with_maps_are_refused_before_any_launch(
     index, lines = grid.build_lines_index(params, 64, 64, heads=2, block_m=16, block_n=16, head_space="kv", device=DEVICE)
     with pytest.raises(ValueError, match="built for 64 queries x 64 keys, inputs have 48 x 64"):
         BACKENDS[backend](q[:, :, :48].contiguous(), k, v, index, lines=lines)
-    row_map = torch.arange(64, dtype=torch.int32, device=DEVICE)
+    maps = region_maps(torch.arange(64, dtype=torch.int32, device=DEVICE), None, None, 64, 64)
     with pytest.raises(ValueError, match="grid lines take the dense"):
-        BACKENDS[backend](q, k, v, index, lines=lines, row_map=row_map)
+        BACKENDS[backend](q, k, v, index, lines=lines, maps=maps)

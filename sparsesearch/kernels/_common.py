@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import GridLines
+from ..index import GridLines, RegionMaps
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,60 +226,58 @@ def group_rows(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
-@dataclass(frozen=True)
-class Maps:
-    """A permutation read in place (kernels' row_map/col_map): the region's row and key counts and the
-    shift of the bottom-right frame of the full tensors (Nk - Nq) that places q row r at key position
-    r + pos_shift."""
-
-    q_len: int
-    kv_len: int
-    pos_shift: int
-    has_col_map: bool
-
-
-def _check_map(name: str, m: torch.Tensor, size: int, device: torch.device) -> int:
-    """Length of a row/column map after checking it: int32 [n], n >= 1, distinct values in [0, size)."""
-    if m.dim() != 1 or m.dtype != torch.int32 or m.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D int32 tensor, got {m.dtype} {tuple(m.shape)}")
-    if m.device != device:
-        raise ValueError(f"{name} is on {m.device}, q on {device}")
+def _check_map(name: str, m: torch.Tensor, size: int) -> bool:
+    """Check a row/column map's values: distinct, in [0, size). Returns whether it is strictly increasing."""
     lo, hi = int(m.min()), int(m.max())
     if lo < 0 or hi >= size:
         raise ValueError(f"{name} values must lie in [0, {size - 1}], got [{lo}, {hi}]")
     if torch.unique(m).numel() != m.numel():
         raise ValueError(f"{name} must not repeat a position ({m.numel()} entries, {torch.unique(m).numel()} distinct)")
-    return m.numel()
+    return m.numel() == 1 or bool((m[1:] > m[:-1]).all())
 
 
-def check_maps(q: torch.Tensor, k: torch.Tensor, row_map: torch.Tensor | None, col_map: torch.Tensor | None,
-               row_pos: torch.Tensor | None, varlen: bool) -> Maps | None:
-    """Validate a permutation read in place (dense q [B, Hq, Nq, D], k [B, Hkv, Nk, D]) before any launch:
-    row_map int32 [Nq_r] (q rows), col_map int32 [Nk_r] (k/v rows), each distinct and in range; row_pos,
-    when given, is the region frame over [Nq_r] x [Nk_r] (check_frame). None when neither map is given."""
-    if row_map is None and col_map is None:
-        return None
-    if varlen:
-        raise ValueError("row_map/col_map (a permutation read in place) take the dense [B, H, N, D] layout, not cu_seqlens")
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D] with row_map/col_map, got {tuple(q.shape)} and {tuple(k.shape)}")
-    q_len = q.shape[2] if row_map is None else _check_map("row_map", row_map, q.shape[2], q.device)
-    kv_len = k.shape[2] if col_map is None else _check_map("col_map", col_map, k.shape[2], q.device)
+def region_maps(row_map: torch.Tensor | None, col_map: torch.Tensor | None, row_pos: torch.Tensor | None,
+                q_len: int, kv_len: int) -> RegionMaps:
+    """RegionMaps from maps of any origin, every value checked (a few device syncs, once): row_map int32
+    [Nq_r] into q's q_len rows, col_map int32 [Nk_r] into k's kv_len rows, each distinct and in range;
+    row_pos, when given, the region frame over [Nq_r] x [Nk_r] (patterns/_common.check_frame). ValueError
+    names the bad value."""
+    maps = RegionMaps(row_map, col_map, row_pos, q_len, kv_len)
+    if row_map is not None:
+        _check_map("row_map", row_map, q_len)
+    increasing = col_map is not None and _check_map("col_map", col_map, kv_len)
     if row_pos is not None:
-        if row_pos.device != q.device:
-            raise ValueError(f"row_pos is on {row_pos.device}, q on {q.device}")
         from ..patterns._common import check_frame
 
-        check_frame(q_len, kv_len, row_pos)
-    return Maps(q_len, kv_len, k.shape[2] - q.shape[2], col_map is not None)
+        check_frame(maps.rows, maps.keys, row_pos)
+    return RegionMaps(row_map, col_map, row_pos, q_len, kv_len, increasing)
 
 
-def check_lines(q: torch.Tensor, k: torch.Tensor, lines: GridLines | None, q_blocks: int, maps: object, varlen: bool) -> None:
-    """Validate grid lines against the inputs before any launch (dense layout, no row/col maps)."""
+def check_region_maps(q: torch.Tensor, k: torch.Tensor, maps: RegionMaps | None, row_pos: torch.Tensor | None,
+                      varlen: bool) -> None:
+    """Check that maps fit these inputs (dense q [B, Hq, Nq, D], k [B, Hkv, Nk, D]) without reading their
+    values (RegionMaps were checked when made): no device sync."""
+    if maps is None:
+        return
+    if varlen:
+        raise ValueError("region maps (a permutation read in place) take the dense [B, H, N, D] layout, not cu_seqlens")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, N, D] with region maps, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if row_pos is not None:
+        raise ValueError("row_pos comes with the region maps (RegionMaps.row_pos); pass one or the other")
+    if (maps.q_len, maps.kv_len) != (q.shape[2], k.shape[2]):
+        raise ValueError(f"region maps index {maps.q_len} queries x {maps.kv_len} keys, inputs have {q.shape[2]} x {k.shape[2]}")
+    if maps.device != q.device or (maps.row_pos is not None and maps.row_pos.device != q.device):
+        raise ValueError(f"region maps are on {maps.device}, q on {q.device}")
+
+
+def check_lines(q: torch.Tensor, k: torch.Tensor, lines: GridLines | None, q_blocks: int, maps: RegionMaps | None,
+                varlen: bool) -> None:
+    """Validate grid lines against the inputs before any launch (dense layout, no region maps)."""
     if lines is None:
         return
     if varlen or maps is not None:
-        raise ValueError("grid lines take the dense [B, H, N, D] layout without row/col maps")
+        raise ValueError("grid lines take the dense [B, H, N, D] layout without region maps")
     if (lines.q_len, lines.kv_len) != (q.shape[2], k.shape[2]):
         raise ValueError(f"grid lines were built for {lines.q_len} queries x {lines.kv_len} keys, inputs have {q.shape[2]} x {k.shape[2]}")
     if lines.stride < 1 or not 0 <= lines.row_phase < lines.stride or not 0 <= lines.col_phase < lines.stride:

@@ -8,9 +8,11 @@ through the KV head of the query head's GQA group: they are never repeated in me
 Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformers order; any strides with
 a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
 bottom-right aligned (row i sits at key position i + kv_len - q_len), or, for a permuted modality region,
-at row_pos[i]. A permutation (a modality region, a grid head's stride/phase order) is read in place
-through int32 row/column maps: Q loads, O/lse stores and K/V loads go through them, causality compares
-original positions; without maps the flags are constexpr off and the kernel is the plain one. Outputs: out like q; lse fp32
+at row_pos[i]. A modality region is read in place through int32 row/column maps (index.RegionMaps): Q loads,
+O/lse stores and K/V loads go through them, causality compares original positions, and the tiles of an
+increasing column map that fall inside one run of consecutive keys load as plain tiles; a grid head's
+lines are index arithmetic (index.GridLines). Without either the flags are constexpr off and the kernel is
+the plain one. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -22,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import BlockIndex, GridLines, num_blocks
+from ..index import BlockIndex, GridLines, RegionMaps, num_blocks
 from ._common import (
-    LOG2E, bhn_strides, block_d, check_layout, check_lines, check_maps, dot_f32, interpreting, load_kv_tile,
+    LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, interpreting, load_kv_tile,
     online_update,
 )
 
@@ -50,7 +52,7 @@ def _block_sparse_fwd(
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr, HAS_COL_MAP: tl.constexpr, STORE_MAPPED: tl.constexpr,
-    USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr,
+    COL_RUNS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -140,15 +142,36 @@ def _block_sparse_fwd(
         row0 = (b.to(tl.int64) * stride_kb + kv_h * stride_kh) // stride_kn
         for t in range(0, n_full * SPLIT):
             kb = tl.load(full_base + t // SPLIT)
-            r = (row0 + kb * BLOCK_N + (t % SPLIT) * TILE_N).to(tl.int32)
-            kt = K_DESC.load([r, 0]).T
-            vt = V_DESC.load([r, 0])
+            j0 = kb * BLOCK_N + (t % SPLIT) * TILE_N
+            if COL_RUNS:
+                # An increasing column map: a tile inside one run of consecutive keys (most tiles of a
+                # modality region) is a plain tile at its first key; one that crosses a run is gathered.
+                first = tl.load(COL_MAP + j0)
+                if tl.load(COL_MAP + j0 + TILE_N - 1) - first == TILE_N - 1:
+                    r = (row0 + first).to(tl.int32)
+                    kt = K_DESC.load([r, 0]).T
+                    vt = V_DESC.load([r, 0])
+                else:
+                    cols = tl.load(COL_MAP + j0 + offs_t)
+                    kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
+                    vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
+            else:
+                r = (row0 + j0).to(tl.int32)
+                kt = K_DESC.load([r, 0]).T
+                vt = V_DESC.load([r, 0])
             m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
     else:
         for t in range(0, n_full * SPLIT):
             kb = tl.load(full_base + t // SPLIT)
-            cols = kb * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
-            if HAS_COL_MAP:
+            j0 = kb * BLOCK_N + (t % SPLIT) * TILE_N
+            cols = j0 + offs_t
+            if COL_RUNS:
+                first = tl.load(COL_MAP + j0)
+                if tl.load(COL_MAP + j0 + TILE_N - 1) - first == TILE_N - 1:
+                    cols = first + offs_t  # one run: no id loads
+                else:
+                    cols = tl.load(COL_MAP + cols)
+            elif HAS_COL_MAP:
                 cols = tl.load(COL_MAP + cols)
             kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
             vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
@@ -235,12 +258,13 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, device: torch.devi
     return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": torch.cuda.get_device_capability(device)[0] >= 9}
 
 
-def _tma_eligible(k: torch.Tensor, v: torch.Tensor, varlen: bool, col_map: torch.Tensor | None) -> bool:
-    """Whether full tiles can be TMA copies: dense, unpermuted, contiguous K/V with 16-byte aligned bases and
-    power-of-two rows (a descriptor's box), and row ids that fit the descriptor's int32 coordinates."""
+def _tma_eligible(k: torch.Tensor, v: torch.Tensor, varlen: bool, scattered: bool) -> bool:
+    """Whether full tiles can be TMA copies: dense contiguous K/V with 16-byte aligned bases and power-of-two
+    rows (a descriptor's box), row ids that fit the descriptor's int32 coordinates, and keys in place or in
+    runs (not ``scattered``: a column map that is not increasing)."""
     head_dim = k.shape[-1]
     return (
-        not varlen and col_map is None and head_dim & (head_dim - 1) == 0
+        not varlen and not scattered and head_dim & (head_dim - 1) == 0
         and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v)) and k.numel() // head_dim < 2**31
     )
 
@@ -309,8 +333,7 @@ def block_sparse_attention(
     lse: torch.Tensor | None = None,
     config: dict | None = None,
     row_pos: torch.Tensor | None = None,
-    row_map: torch.Tensor | None = None,
-    col_map: torch.Tensor | None = None,
+    maps: RegionMaps | None = None,
     lines: GridLines | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of q over the keys the index admits.
@@ -324,21 +347,24 @@ def block_sparse_attention(
     config: launch overrides (TILE_N, num_warps, num_stages, tma) for tuning; None picks per device.
     row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
     admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq_r may exceed Nk_r.
-    row_map / col_map (dense layout; kernels/_common.check_maps): int32 [Nq_r] / [Nk_r], a permutation read
-    in place — region row i is q row row_map[i], region key j is k/v row col_map[j]; the index lives in
-    those region coordinates. With col_map, causality compares original positions
-    (col_map[j] <= row_map[i] + Nk - Nq), so the maps need not keep order; the window/sink frame is
-    row_pos, else (row_map only) the original position, else bottom-right in region coordinates. out/lse given with Nq rows:
-    written at row_map[i] (original positions); None or Nq_r rows: compact, row i at i.
+    maps (dense layout; index.RegionMaps, made by kernels.region_maps or boundary.Region.maps): a region
+    read in place — region row i is q row row_map[i], region key j is k/v row col_map[j]; the index lives in
+    those region coordinates, and maps.row_pos is its frame (row_pos itself stays None). With col_map,
+    causality compares original positions (col_map[j] <= row_map[i] + Nk - Nq), so the maps need not keep
+    order; an increasing col_map has its runs of consecutive keys loaded as plain tiles. The window/sink
+    frame is row_pos, else (row_map only) the original position, else bottom-right in region coordinates.
+    out/lse given with Nq rows: written at row_map[i] (original positions); None or Nq_r rows: compact.
     lines: a grid head's stride/phase by index arithmetic (index.GridLines, built with its index by
     patterns/grid.py build_lines_index): the index covers every row with key blocks in original
     coordinates, plus strided vertical-line columns; the horizontal-line rows are computed apart, split over
     keys, and written over the index pass.
     """
-    maps = check_maps(q, k, row_map, col_map, row_pos, cu_seqlens_q is not None or cu_seqlens_k is not None)
-    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos if maps is None else None)
+    check_region_maps(q, k, maps, row_pos, cu_seqlens_q is not None or cu_seqlens_k is not None)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos)
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
-    q_len_max, kv_len_max = (layout.q_len_max, layout.kv_len_max) if maps is None else (maps.q_len, maps.kv_len)
+    q_len_max, kv_len_max = (layout.q_len_max, layout.kv_len_max) if maps is None else (maps.rows, maps.keys)
+    row_map, col_map = (None, None) if maps is None else (maps.row_map, maps.col_map)
+    row_pos = row_pos if maps is None else maps.row_pos
     check_lines(q, k, lines, index.q_blocks, maps, varlen)
     space_heads = kv_heads if index.head_space == "kv" else q_heads
     served = _check_head_map(heads, space_heads, q.device)
@@ -358,7 +384,8 @@ def block_sparse_attention(
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
-    use_tma = bool(launch.pop("tma", False)) and _tma_eligible(k, v, varlen, col_map)
+    col_runs = col_map is not None and maps.increasing
+    use_tma = bool(launch.pop("tma", False)) and _tma_eligible(k, v, varlen, col_map is not None and not col_runs)
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
     grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch)
     _block_sparse_fwd[grid](
@@ -380,7 +407,7 @@ def block_sparse_attention(
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
         USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
         HAS_ROW_MAP=row_map is not None, HAS_COL_MAP=col_map is not None, STORE_MAPPED=store_mapped,
-        USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, **launch,
+        COL_RUNS=col_runs, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, **launch,
     )
     if lines is not None and lines.row_lines:
         _line_rows(q, k, v, lines, heads, index.head_space, scale, out, lse)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, GridLines, explicit_lines, num_blocks
+from ..index import BlockIndex, GridLines, RegionMaps, explicit_lines, num_blocks
 from ..patterns._common import row_positions
-from ._common import check_lines, check_maps, check_qkv, check_row_pos
+from ._common import check_lines, check_qkv, check_region_maps, check_row_pos
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
 DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
@@ -33,8 +33,7 @@ def block_sparse_attention_torch(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     row_pos: torch.Tensor | None = None,
-    row_map: torch.Tensor | None = None,
-    col_map: torch.Tensor | None = None,
+    maps: RegionMaps | None = None,
     lines: GridLines | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] -> out [B, Hq, Nq, D] (q dtype), lse fp32 [B, Hq, Nq].
@@ -42,14 +41,16 @@ def block_sparse_attention_torch(
     heads: int32 [Hs] index-space head ids this call computes (index row i = head heads[i]); others untouched.
     row_pos: int64 [Nq_r], a permuted modality region's frame — row i admits keys j <= row_pos[i] (-1: none;
     patterns/boundary.py); None: the bottom-right causal frame.
-    row_map / col_map: int32 [Nq_r] / [Nk_r], a permutation read in place, as in ``block_sparse_attention``:
-    query rows and keys are gathered chunk by chunk through the maps (never a whole permuted copy),
-    causality compares original positions when col_map is given, and out/lse given with Nq rows are
-    written at row_map[i]; None or Nq_r rows: compact.
+    maps: a region read in place (index.RegionMaps), as in ``block_sparse_attention``: query rows and keys
+    are gathered chunk by chunk through the maps (never a whole permuted copy), causality compares
+    original positions when col_map is given, and out/lse given with Nq rows are written at row_map[i];
+    None or Nq_r rows: compact.
     lines: a grid head read in place by arithmetic (``block_sparse_attention``); run here as its index with
     explicit line columns (index.explicit_lines), then the horizontal-line rows over every causal key.
     """
-    maps = check_maps(q, k, row_map, col_map, row_pos, varlen=False)
+    check_region_maps(q, k, maps, row_pos, varlen=False)
+    row_map, col_map = (None, None) if maps is None else (maps.row_map, maps.col_map)
+    row_pos = row_pos if maps is None else maps.row_pos
     if lines is not None:
         check_lines(q, k, lines, index.q_blocks, maps, varlen=False)
         out, lse = block_sparse_attention_torch(q, k, v, explicit_lines(index, lines), scale=scale, heads=heads, out=out, lse=lse)
@@ -61,7 +62,7 @@ def block_sparse_attention_torch(
         check_row_pos(q, k, row_pos)
     batch, q_heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    q_len, kv_len = (q.shape[2], k.shape[2]) if maps is None else (maps.q_len, maps.kv_len)
+    q_len, kv_len = (q.shape[2], k.shape[2]) if maps is None else (maps.rows, maps.keys)
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     space = kv_heads if index.head_space == "kv" else q_heads
@@ -269,4 +270,5 @@ def _line_rows(q, k, v, lines: GridLines, index: BlockIndex, heads: torch.Tensor
     none = torch.zeros(shape, dtype=torch.int32, device=q.device)
     dense = BlockIndex(none, none[..., None], torch.full(shape, blocks, dtype=torch.int32, device=q.device), every,
                        index.block_m, index.block_n, index.head_space)
-    block_sparse_attention_torch(q, k, v, dense, scale=scale, heads=heads, out=out, lse=lse, row_map=rows.to(torch.int32))
+    maps = RegionMaps(rows.to(torch.int32), None, None, q.shape[2], k.shape[2])  # distinct, in range: line rows
+    block_sparse_attention_torch(q, k, v, dense, scale=scale, heads=heads, out=out, lse=lse, maps=maps)

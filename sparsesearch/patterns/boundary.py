@@ -13,7 +13,8 @@ each row's frontier; a slash at offset d is the key d behind the frontier; block
 frontier's blocks. Intra-modality regions have the identity frame (row_pos None, the square causal case).
 Every region runs on our kernels (Triton on a GPU, the torch backend on a CPU), which read its rows and
 keys in place through int32 maps (``Region.maps``: Q loads and O/lse stores through q_idx, K/V loads
-through k_idx; no permuted copies, no un-permute pass). ``Region.gather`` (contiguous copies) remains for
+through k_idx, a modality's runs of consecutive keys as plain tiles; no permuted copies, no un-permute
+pass). ``Region.gather`` (contiguous copies) remains for
 the search's scoring and for the estimates of dynamic patterns, which need the region's keys in order.
 
 Which regions a boundary type composes (rows of one modality always merge their regions' partial
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..index import RegionMaps
 from ..merge import merge_two
 from ._common import causal_entries, region_causal_entries
 
@@ -65,12 +67,17 @@ class Region:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Region(self.q_mod, self.k_mod, move(self.q_idx), move(self.k_idx), move(self.row_pos))
 
-    def maps(self, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The region read in place (kernels' row_map / col_map): int32 q_idx [Nq] and k_idx [Nk] on
-        ``device``, None for a side that is every token in order (``all``)."""
+    def maps(self, device, n: int) -> RegionMaps | None:
+        """The region read in place from a sequence of n tokens (the kernels' ``maps``): int32 q_idx and
+        k_idx on ``device``, None for a side that is every token in order (``all``), and the frame. Valid by
+        construction (distinct, increasing positions; row_pos from searchsorted), so nothing is re-checked.
+        None for the whole sequence (all x all): nothing to map."""
+        if self.q_mod == self.k_mod == ALL:
+            return None
         row_map = None if self.q_mod == ALL else self.q_idx.to(device=device, dtype=torch.int32)
         col_map = None if self.k_mod == ALL else self.k_idx.to(device=device, dtype=torch.int32)
-        return row_map, col_map
+        row_pos = None if self.row_pos is None else self.row_pos.to(device)
+        return RegionMaps(row_map, col_map, row_pos, n, n, increasing=col_map is not None)
 
     def gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, Hq, N, D], k/v [B, Hkv, N, D] -> the region's rows and keys (copies along the token axis;
