@@ -165,9 +165,9 @@ class RegionMaps:
     row_map[i], region key j is k/v row col_map[j] (None: every row, or every key, in order); row_pos, the
     region frame (patterns/boundary.py: each row's frontier among the region's keys), or None. q_len /
     kv_len: the token counts of the whole q and k the maps index. increasing: col_map is strictly
-    increasing (a modality's keys in original order), so a key tile is one run of consecutive k/v rows
-    exactly when its first and last ids differ by its width, and the kernels load such tiles as plain
-    contiguous tiles (TMA on Hopper) instead of gathering them row by row.
+    increasing (a modality's keys in original order), so a key block is one run of consecutive k/v rows
+    exactly when its first and last ids differ by its width, and the kernels load such blocks as plain
+    contiguous tiles (TMA on Hopper) instead of gathering them row by row (kernels/region_runs.py).
 
     Build with ``kernels.region_maps`` (checks every value once, with a device sync) or
     ``boundary.Region.maps`` (valid by construction). The kernels check only shapes, dtypes and devices

@@ -10,6 +10,8 @@ GQA 4:2, batch 2, fp32 everywhere and bf16 through the Triton interpreter.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -19,6 +21,7 @@ from conftest import DEVICE
 from sparsesearch.execute import HeadGroup, attend_boundary, build_group_index, run_region
 from sparsesearch.index import BlockIndex, explicit_lines
 from sparsesearch.kernels import block_sparse_attention, region_maps
+from sparsesearch.kernels.region_runs import fold_runs
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
 from sparsesearch.patterns import ashape, boundary, dense, grid, vertical_slash
 from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, pool_mask, predicate_mask_fn, relative_error
@@ -154,8 +157,13 @@ def test_triton_kernel_reads_regions_in_place(dtype, kind):
         out, _ = run_mapped(block_sparse_attention, q, k, v, vs, region, full_out=False)
         gathered, _ = block_sparse_attention(q_r, k_r, v_r, vs, scale=SCALE, row_pos=row_pos)
         assert relative_error(out, ref) <= tolerance(low, ref, dtype), region.name
-        # Same tiles, same order: reading in place only changes addresses.
-        assert torch.equal(out, gathered), region.name
+        # Every tile gathered through the map: same tiles, same order, so only addresses change.
+        maps = dataclasses.replace(region.maps(q.device, n), increasing=False)
+        tiles, _ = block_sparse_attention(q, k, v, vs, scale=SCALE, maps=maps)
+        assert torch.equal(tiles, gathered), region.name
+        # Runs folded into plain slabs: blocks that straddle a gap move to the partial list (another
+        # summation order), so equal within the kernel's own rounding.
+        assert relative_error(out, gathered) <= tolerance(low, ref, dtype), region.name
 
 
 # ------------------------------------------------------------------------------------------- executor
@@ -368,6 +376,37 @@ def test_region_maps_know_an_increasing_column_map():
     assert region_maps(None, cm, None, 10, 10).increasing
     assert not region_maps(None, cm.flip(0), None, 10, 10).increasing
     assert not region_maps(cm, None, None, 10, 10).increasing  # no column map: nothing to run
+
+
+def _listed(count, idx, b, h, m) -> list[int]:
+    return idx[b, h, m, : int(count[b, h, m])].tolist()
+
+
+def test_folded_runs_keep_every_key_and_move_only_the_blocks_that_straddle_a_gap():
+    """fold_runs on a dense region index over a long fragmented layout: each full block that is one run of
+    the column map becomes its first original row, each that straddles a gap (or reaches past the keys)
+    moves to the partial list after the index's own, and the keys each row reads are unchanged."""
+    ids = layout_ids([(0, 40), (2, 100), (0, 3), (2, 70), (0, 20), (2, 33)])
+    region = next(r for r in boundary.regions("2d", ids, NAMES) if r.name == "video>video")
+    col_map = region.maps(DEVICE, ids.numel()).col_map
+    index = _static_region_index("dense", dense.DenseParams(), region, batch=2)
+    folded = fold_runs(index, col_map)
+    cm, bn = col_map.cpu().long(), index.block_n
+    moved = 0
+    for b, h, m in itertools.product(*map(range, index.full_count.shape)):
+        full, part = _listed(index.full_count, index.full_idx, b, h, m), _listed(index.partial_count, index.partial_idx, b, h, m)
+        starts = _listed(folded.full_count, folded.full_start, b, h, m)
+        now_part = _listed(folded.partial_count, folded.partial_idx, b, h, m)
+        runs = [kb for kb in full if int(cm[kb * bn + bn - 1] - cm[kb * bn]) == bn - 1]
+        assert starts == [int(cm[kb * bn]) for kb in runs]
+        assert now_part == part + [kb for kb in full if kb not in runs]
+        moved += len(full) - len(runs)
+    assert moved > 0  # the layout's gaps fall inside full blocks, so both paths run
+    # A full block listed past the region's keys is never addressed as a run.
+    bad = dataclasses.replace(index, full_idx=index.full_idx.clone())
+    bad.full_idx[0, 0, -1, 0] = cm.numel() // bn + 1
+    out = fold_runs(bad, col_map)
+    assert bad.full_idx[0, 0, -1, 0].item() in _listed(out.partial_count, out.partial_idx, 0, 0, bad.q_blocks - 1)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -9,8 +9,9 @@ Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformer
 a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
 bottom-right aligned (row i sits at key position i + kv_len - q_len), or, for a permuted modality region,
 at row_pos[i]. A modality region is read in place through int32 row/column maps (index.RegionMaps): Q loads,
-O/lse stores and K/V loads go through them, causality compares original positions, and the tiles of an
-increasing column map that fall inside one run of consecutive keys load as plain tiles; a grid head's
+O/lse stores and K/V loads go through them, causality compares original positions, and the full key
+blocks of an increasing column map that are one run of consecutive keys are re-addressed as plain slabs
+of the original K/V before the launch (region_runs.py; the rest become partial blocks); a grid head's
 lines are index arithmetic (index.GridLines). Without either the flags are constexpr off and the kernel is
 the plain one. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
@@ -29,6 +30,7 @@ from ._common import (
     LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, interpreting, load_kv_tile,
     online_update,
 )
+from .region_runs import fold_runs
 
 
 @triton.jit
@@ -52,7 +54,7 @@ def _block_sparse_fwd(
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr, HAS_COL_MAP: tl.constexpr, STORE_MAPPED: tl.constexpr,
-    COL_RUNS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr,
+    FULL_STARTS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -141,38 +143,24 @@ def _block_sparse_fwd(
         # 5-25% block top-k (benchmarks/RESULTS.md, launch tuning).
         row0 = (b.to(tl.int64) * stride_kb + kv_h * stride_kh) // stride_kn
         for t in range(0, n_full * SPLIT):
-            kb = tl.load(full_base + t // SPLIT)
-            j0 = kb * BLOCK_N + (t % SPLIT) * TILE_N
-            if COL_RUNS:
-                # An increasing column map: a tile inside one run of consecutive keys (most tiles of a
-                # modality region) is a plain tile at its first key; one that crosses a run is gathered.
-                first = tl.load(COL_MAP + j0)
-                if tl.load(COL_MAP + j0 + TILE_N - 1) - first == TILE_N - 1:
-                    r = (row0 + first).to(tl.int32)
-                    kt = K_DESC.load([r, 0]).T
-                    vt = V_DESC.load([r, 0])
-                else:
-                    cols = tl.load(COL_MAP + j0 + offs_t)
-                    kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
-                    vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
+            entry = tl.load(full_base + t // SPLIT)
+            if FULL_STARTS:
+                j0 = entry + (t % SPLIT) * TILE_N  # a run's first row in the original keys (region_runs.py)
             else:
-                r = (row0 + j0).to(tl.int32)
-                kt = K_DESC.load([r, 0]).T
-                vt = V_DESC.load([r, 0])
+                j0 = entry * BLOCK_N + (t % SPLIT) * TILE_N
+            r = (row0 + j0).to(tl.int32)
+            kt = K_DESC.load([r, 0]).T
+            vt = V_DESC.load([r, 0])
             m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
     else:
         for t in range(0, n_full * SPLIT):
-            kb = tl.load(full_base + t // SPLIT)
-            j0 = kb * BLOCK_N + (t % SPLIT) * TILE_N
-            cols = j0 + offs_t
-            if COL_RUNS:
-                first = tl.load(COL_MAP + j0)
-                if tl.load(COL_MAP + j0 + TILE_N - 1) - first == TILE_N - 1:
-                    cols = first + offs_t  # one run: no id loads
-                else:
-                    cols = tl.load(COL_MAP + cols)
-            elif HAS_COL_MAP:
-                cols = tl.load(COL_MAP + cols)
+            entry = tl.load(full_base + t // SPLIT)
+            if FULL_STARTS:
+                cols = entry + (t % SPLIT) * TILE_N + offs_t
+            else:
+                cols = entry * BLOCK_N + (t % SPLIT) * TILE_N + offs_t
+                if HAS_COL_MAP:
+                    cols = tl.load(COL_MAP + cols)  # a map that is not increasing: every tile gathered
             kt = load_kv_tile(k_base, cols, stride_kn, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
             vt = load_kv_tile(v_base, cols, stride_vn, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
             m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
@@ -351,7 +339,8 @@ def block_sparse_attention(
     read in place — region row i is q row row_map[i], region key j is k/v row col_map[j]; the index lives in
     those region coordinates, and maps.row_pos is its frame (row_pos itself stays None). With col_map,
     causality compares original positions (col_map[j] <= row_map[i] + Nk - Nq), so the maps need not keep
-    order; an increasing col_map has its runs of consecutive keys loaded as plain tiles. The window/sink
+    order; with an increasing col_map the full blocks that are one run load as plain (TMA) tiles and the
+    few that straddle a gap are gathered as partial blocks (one small pass per launch). The window/sink
     frame is row_pos, else (row_map only) the original position, else bottom-right in region coordinates.
     out/lse given with Nq rows: written at row_map[i] (original positions); None or Nq_r rows: compact.
     lines: a grid head's stride/phase by index arithmetic (index.GridLines, built with its index by
@@ -384,30 +373,37 @@ def block_sparse_attention(
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
-    col_runs = col_map is not None and maps.increasing
-    use_tma = bool(launch.pop("tma", False)) and _tma_eligible(k, v, varlen, col_map is not None and not col_runs)
+    full_starts = col_map is not None and maps.increasing
+    use_tma = bool(launch.pop("tma", False)) and _tma_eligible(k, v, varlen, col_map is not None and not full_starts)
+    full_count, full_idx, partial_count, partial_idx = index.full_count, index.full_idx, index.partial_count, index.partial_idx
+    col_count = index.col_count
+    if full_starts:
+        # Full blocks that are one run of the map become plain slabs of the original keys (region_runs.py).
+        _index_strides(full_idx), _index_strides(partial_idx)
+        full_count, full_idx, partial_count, partial_idx = fold_runs(index, col_map)
+        col_count = None if col_count is None else col_count.contiguous()  # counts share one stride set
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
     grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch)
     _block_sparse_fwd[grid](
         q, k, v, out, lse, k_desc, v_desc,
-        index.full_count, index.full_idx, index.partial_count, index.partial_idx,
-        index.col_count if has_cols else index.full_count, index.col_idx if has_cols else dummy,
-        layout.cu_q, layout.cu_k, heads if served is not None else index.full_count,
-        row_pos if row_pos is not None else index.full_count,
-        row_map if row_map is not None else index.full_count, col_map if col_map is not None else index.full_count,
-        lines.line_cols if lines is not None and lines.line_cols is not None else index.full_count,
+        full_count, full_idx, partial_count, partial_idx,
+        col_count if has_cols else full_count, index.col_idx if has_cols else dummy,
+        layout.cu_q, layout.cu_k, heads if served is not None else full_count,
+        row_pos if row_pos is not None else full_count,
+        row_map if row_map is not None else full_count, col_map if col_map is not None else full_count,
+        lines.line_cols if lines is not None and lines.line_cols is not None else full_count,
         scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
         0 if maps is None else maps.pos_shift,
         *((lines.stride, lines.row_phase, lines.row_lines, lines.col_phase) if lines is not None else (1, 0, 0, 0)),
         *sq, *sk, *sv, *so, *sl,
-        *_index_strides(index.full_count), *_index_strides(index.full_idx),
-        *_index_strides(index.partial_idx), *_index_strides(index.col_idx),
+        *_index_strides(full_count), *_index_strides(full_idx),
+        *_index_strides(partial_idx), *_index_strides(index.col_idx),
         GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
         USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
         HAS_ROW_MAP=row_map is not None, HAS_COL_MAP=col_map is not None, STORE_MAPPED=store_mapped,
-        COL_RUNS=col_runs, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, **launch,
+        FULL_STARTS=full_starts, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, **launch,
     )
     if lines is not None and lines.row_lines:
         _line_rows(q, k, v, lines, heads, index.head_space, scale, out, lse)
