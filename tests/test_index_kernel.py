@@ -55,6 +55,8 @@ CASES = [  # (group, q_len, kv_len, k_blocks, sink_blocks)
     (2, 200, 333, 0, 1),
     (1, 96, 160, 1000, 1),  # k_blocks above every row's open blocks: all of them
     (4, 1, 77, 2, 2),  # a single query row
+    (2, 64, 1600, 32, 1),  # the most picks taken one max at a time (index_build.FEW_TAKES) ...
+    (2, 64, 1600, 33, 1),  # ... and one more: the bisection top-k
 ]
 
 

@@ -18,10 +18,10 @@ Block top-k:
    0-padded to the static width KB (= ``static_widths=True``), plus the bool block selection
    [B, H, QB, KB] that ``meta["selection"]`` carries.
 
-Every top-k here (key blocks, vertical columns, slash offsets) is an exact threshold search, not a sort: scores map to order-preserving int32 keys, 32 rounds
-of bisection find the k-th largest key, blocks above it win and the tied ones are taken in id order
-(a prefix count) until k are chosen. That is O(32 KB) per program whatever k is, and it reproduces the
-reference's stable sort exactly.
+Every top-k here (key blocks, vertical columns, slash offsets) is exact, not a sort: scores map to
+order-preserving int32 keys; up to FEW_TAKES picks are that many max rounds over keys packed with their
+lane (ties to the lower id), more are 32 rounds of bisection for the k-th largest key, the tied ones taken
+in id order (a prefix count). Either reproduces the reference's stable sort exactly.
 
 Identity frame only (queries bottom-right aligned, q_len <= kv_len); the callers keep the torch path for
 a permuted region (row_pos) and for inputs ``fusable`` / ``vs_fusable`` refuse. The kernels never read a
@@ -90,30 +90,49 @@ def _pooled_scores(
     return scores
 
 
+# Up to this many picks, a top-k is ``take`` rounds of one max each; past it, the 32 bisection rounds.
+FEW_TAKES = tl.constexpr(32)
+
+
 @triton.jit
-def _top_take(scores, eligible, take):
+def _top_take(scores, eligible, take, lanes):
     """bool like ``scores``: the ``take`` best eligible entries, ties to the lower position (the reference's
-    stable descending sort). Needs take <= eligible count.
+    stable descending sort). Needs take <= eligible count; lanes = tl.arange over the scores.
 
     Floats map to int32 keys in the same order (negative values get their magnitude bits flipped; -0 is
-    made +0 first, since the sort ties them); 32 bisection rounds over the int32 range find the largest
-    threshold with at least ``take`` keys at or above it, i.e. the take-th largest key.
+    made +0 first, since the sort ties them). Few picks (the block top-k budgets of short contexts: 6 at
+    8K): each round takes the max of key * 2^32 + (reversed lane), one reduction that breaks ties to the
+    lower lane. Many picks: 32 bisection rounds over the int32 range find the largest threshold with at
+    least ``take`` keys at or above it (the take-th largest key), and a prefix count takes the tied ones
+    in lane order. Each round costs one cross-warp reduction either way, so few picks cost take rounds
+    instead of 33 (H200, 8K, 32/8 heads: the select kernel's top-k was most of its time).
     """
     scores = tl.where(scores == 0.0, 0.0, scores)
     bits = scores.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    for _ in tl.static_range(32):
-        mid = lo + (hi - lo + 1) // 2
-        enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = eligible & (key > lo)
-    tied = eligible & (key == lo)
-    rank = tl.cumsum(tied.to(tl.int32), 0)  # 1-based among the tied, in id order
-    quota = take - tl.sum(above.to(tl.int32), 0)
-    return above | (tied & (rank <= quota))
+    if take <= FEW_TAKES:
+        # Distinct packed values (the low word is the reversed lane), so each round marks exactly one entry.
+        none = tl.full([], -9223372036854775808, tl.int64)
+        packed = tl.where(eligible, key * 4294967296 + (lanes.shape[0] - 1 - lanes), none)
+        chosen = lanes < 0
+        for _ in range(0, take):
+            hit = packed == tl.max(packed, 0)
+            chosen = chosen | hit
+            packed = tl.where(hit, none, packed)
+    else:
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in tl.static_range(32):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        above = eligible & (key > lo)
+        tied = eligible & (key == lo)
+        rank = tl.cumsum(tied.to(tl.int32), 0)  # 1-based among the tied, in id order
+        quota = take - tl.sum(above.to(tl.int32), 0)
+        chosen = above | (tied & (rank <= quota))
+    return chosen
 
 
 @triton.jit
@@ -162,7 +181,7 @@ def _block_topk_select(
         scores = tl.sum(_pooled_scores(q_b + h.to(tl.int64) * stride_qh, stride_qh, stride_qn, 1, qb * BLOCK_M, q_len, pk_base,
                                        kb, kb_ok, kv_blocks, HEAD_DIM, BLOCK_D, CHUNK_D, BLOCK_M, HEADS_P2, KB_P2), 0)
     take = tl.minimum(k_blocks, tl.sum(open_.to(tl.int32), 0))
-    chosen = forced | _top_take(scores, open_, take)
+    chosen = forced | _top_take(scores, open_, take, kb)
     top_key = (kb + 1) * BLOCK_N - 1
     is_full = (top_key <= first) & (top_key < kv_len)
     row = bh.to(tl.int64) * tl.num_programs(0) + qb
@@ -416,7 +435,7 @@ def _vs_top(
         out = VERT + bh.to(tl.int64) * n_vert
     scores = tl.load(src + row + lanes, mask=ok, other=0.0)
     scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
-    chosen = _top_take(scores, ok, take)  # exactly ``take`` lines: take <= kv_len
+    chosen = _top_take(scores, ok, take, lanes)  # exactly ``take`` lines: take <= kv_len
     slot = tl.cumsum(chosen.to(tl.int32), 0)
     tl.store(out + slot - 1, lanes.to(tl.int64), mask=chosen)
     if slash:
