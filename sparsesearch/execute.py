@@ -98,6 +98,17 @@ def permuted_grid_index(g: HeadGroup, q_len: int, kv_len: int, space: str, devic
                                   block_n=g.block_n, head_space=space, device=device)
 
 
+def grid_form(g: HeadGroup, q_len: int, kv_len: int, space: str, device, *, batch: int = 1
+              ) -> tuple[BlockIndex, GridLines | None]:
+    """The form a grid group runs in, and the one the search scores: ``permuted_grid_index`` (lines read in
+    place) when it computes fewer key tiles than the plain cover (its listed blocks, line columns and line
+    rows), else the plain cover and None (slash lines, which the arithmetic leaves spread, can make the
+    lines form compute more). A function of the params and shape alone, so search and runtime agree."""
+    index, lines = permuted_grid_index(g, q_len, kv_len, space, device, batch=batch)
+    plain = static_index(g, q_len, kv_len, space, device, batch=batch)
+    return (index, lines) if _blocks(index, lines) < _blocks(plain) else (plain, None)
+
+
 class StaticIndexCache:
     """Static indices by (group, shape, head space, device): they depend on nothing else, so the calls of
     one length share them. Bounded: past ``limit`` entries the oldest goes first. Dynamic indices are
@@ -134,16 +145,12 @@ class StaticIndexCache:
         return self._entries[key]
 
     def permuted(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple[BlockIndex, GridLines | None]:
-        """A grid group's cheaper form, cached: ``permuted_grid_index`` when it computes fewer key tiles than
-        the plain cover (its listed blocks, line columns and line rows), else the plain cover and None
-        (slash lines, which the arithmetic leaves spread, can make it compute more)."""
+        """A grid group's ``grid_form``, cached."""
         key = ("permuted", g.pattern, g.params, q.shape[2], k.shape[2], q.shape[0], len(g.heads), g.block_m, g.block_n, space, q.device)
         if key not in self._entries:
-            index, lines = permuted_grid_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
-            plain = self.index(g, q, k, space)
             if len(self._entries) >= self.limit:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (index, lines) if _blocks(index, lines) < _blocks(plain) else (plain, None)
+            self._entries[key] = grid_form(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0])
         return self._entries[key]
 
 

@@ -158,6 +158,17 @@ class GridLines:
             return torch.zeros_like(rows, dtype=torch.bool)
         return (rows - self.row_phase) % self.stride == 0
 
+    def entries(self, block_m: int) -> int:
+        """Score entries the lines add to their index's per head: each query block's line columns for every
+        row of the block (they lie below the band, so all are causal), and each line row's causal keys
+        (its band, computed by the index pass and then overwritten, is counted there)."""
+        cols = 0
+        if self.line_cols is not None:
+            rows_in = torch.full_like(self.line_cols, block_m, dtype=torch.int64)
+            rows_in[-1] = self.q_len - block_m * (self.line_cols.numel() - 1)
+            cols = int((self.line_cols.long() * rows_in).sum())
+        return cols + int((self.rows() + 1 + self.kv_len - self.q_len).sum())
+
 
 @dataclass(frozen=True)
 class RegionMaps:

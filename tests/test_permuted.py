@@ -316,19 +316,47 @@ def test_planted_grid_search_recovers_stride_phase_and_the_lines_run_matches_the
     assert relative_error(out, ref) < 2e-2
 
 
-def test_runner_runs_grid_heads_permuted_when_asked():
+def test_runner_runs_grid_heads_permuted_by_default():
     n = 256
     q, k, v = (t[:1] for t in qkv(n))
     params = grid.GridParams(stride=16, phase=2, local=16)  # a line key in every plain key block
     layer = LayerPlan(0, "sparse", (HeadGroup("grid", params, (0, 1), 16, 16),))
     runner = Runner(Plan("kv", (layer,), min_tokens=1))
-    plain = runner.attend(layer, q, k, v, scale=SCALE)
-    runner.permute_grid = True
     permuted = runner.attend(layer, q, k, v, scale=SCALE)
+    runner.permute_grid = False
+    plain = runner.attend(layer, q, k, v, scale=SCALE)
     mask = grid.lines_mask(params, n, n, block_m=16, block_n=16).to(DEVICE)
     ref, _ = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
     assert relative_error(permuted, ref) < error_floor(torch.float32, DEVICE)
     assert relative_error(plain, ref) > 1e-4  # the plain cover computes other extra tokens
+
+
+def test_search_scores_grid_heads_in_the_form_the_runtime_runs():
+    """A grid candidate is scored as the runner runs it (execute.grid_form): its error is the runner's
+    output error, and its density counts the index, the line columns and the line rows."""
+    from sparsesearch.patterns import index_entries
+    from sparsesearch.patterns._common import causal_entries
+    from sparsesearch.search.cost import AnalyticCost
+    from sparsesearch.search.layer import Timings, dense_reference, output_error, score_candidate
+    from sparsesearch.search.space import Candidate
+
+    n, bm = 256, 16
+    q, k, v = (t[:1] for t in qkv(n))
+    params = grid.GridParams(stride=16, phase=2, local=16)
+    ref_out, ref_lse = dense_reference(q, k, v, "kv", bm, SCALE)
+    scored = score_candidate(Candidate("grid", dataclasses.asdict(params)), params, q, k, v, ref_out, ref_lse, "kv", bm, bm,
+                             SCALE, AnalyticCost(), Timings())
+    layer = LayerPlan(0, "sparse", (HeadGroup("grid", params, (0, 1), bm, bm),))
+    ran = Runner(Plan("kv", (layer,), min_tokens=1)).attend(layer, q, k, v, scale=SCALE)
+    error, _ = output_error(ran, ref_lse, ref_out, ref_lse, "kv", 2)
+    assert torch.allclose(scored.error, error, rtol=1e-4, atol=1e-6)
+    index, lines = grid.build_lines_index(params, n, n, block_m=bm, block_n=bm)
+    rows = torch.arange(n)
+    line_col_entries = int(lines.line_cols.long()[rows // bm].sum())
+    line_row_entries = int((rows[lines.is_line_row(rows)] + 1).sum())
+    want = (index_entries(index, n, n) + line_col_entries + line_row_entries) / causal_entries(n, n)
+    assert torch.allclose(scored.density, torch.full((2,), want, dtype=torch.float64))
+    assert want < grid.density(params, n, block_m=bm, block_n=bm)  # the plain cover computes more here
 
 
 def test_runner_keeps_the_plain_cover_where_the_lines_compute_more():
@@ -340,11 +368,11 @@ def test_runner_keeps_the_plain_cover_where_the_lines_compute_more():
     g = HeadGroup("grid", params, (0, 1), 16, 16)
     layer = LayerPlan(0, "sparse", (g,))
     runner = Runner(Plan("kv", (layer,), min_tokens=1))
-    plain = runner.attend(layer, q, k, v, scale=SCALE)
-    runner.permute_grid = True
     _, lines = runner._static.permuted(g, q, k, "kv")
     assert lines is None
-    assert torch.equal(runner.attend(layer, q, k, v, scale=SCALE), plain)
+    chosen = runner.attend(layer, q, k, v, scale=SCALE)
+    runner.permute_grid = False
+    assert torch.equal(runner.attend(layer, q, k, v, scale=SCALE), chosen)
 
 
 # ------------------------------------------------------------------------------------------ bad input

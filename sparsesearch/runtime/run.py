@@ -33,11 +33,10 @@ class Runner:
         # Modality ids of the prompt being prefilled, int [N] or [B, N] (0 text, 1 image, 2 video), set by
         # the caller (runtime.set_modality): boundary heads run their region patterns only with them.
         self.modality: torch.Tensor | None = None
-        # Grid heads by their permuted form (execute.permuted_grid_index: lines read in place by index
-        # arithmetic) where it computes fewer tiles than the plain cover the search scored. Off by default:
-        # both cover every token the grid admits, but the extra tokens differ, so the artifact's scores
-        # describe the plain one.
-        self.permute_grid = False
+        # Grid heads in the form the search scored (execute.grid_form): lines read in place by index
+        # arithmetic where they compute fewer tiles than the plain cover, else the cover. False runs the
+        # plain cover always (it admits the same tokens; its extra ones differ from what was scored).
+        self.permute_grid = True
 
     def _modality_for(self, layer: LayerPlan, batch: int, n: int) -> torch.Tensor | None:
         """The ids for a call of [batch, n] tokens, or None when unset or of another shape (a padded

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execute import HeadGroup, build_group_index, query_heads, sparse_attend
-from ..index import BlockIndex
+from ..execute import HeadGroup, build_group_index, grid_form, query_heads, sparse_attend
+from ..index import BlockIndex, GridLines
 from ..patterns import grid, index_entries
 from ..patterns import triangle
 from ..patterns._common import causal_entries, region_causal_entries
@@ -35,6 +35,7 @@ from .cost import CostModel, analytic_ms
 from .space import Candidate, SearchSpace
 
 OBJECTIVES = ("output_error", "mass_recall")
+GRID_LINES = "grid_lines"  # the cost model's name for a grid launch read in place (execute.grid_form)
 # A head whose best admissible sparse candidate errs by more than this (relative L2 of the attention
 # output) keeps dense attention: at 0.5 half the output's norm is wrong; the issue's dense-like heads came
 # out at 0.7-0.9 with every candidate, planted sparse heads below 0.1.
@@ -78,9 +79,10 @@ def _sync(t: torch.Tensor) -> None:
 
 
 def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: torch.Tensor | None = None,
-                 tail: int = 0) -> torch.Tensor:
+                 tail: int = 0, lines: GridLines | None = None) -> torch.Tensor:
     """Computed fraction of the causal matrix (of a region's, with row_pos), per index head: float64 [H].
-    tail: last rows computed densely besides the index (a triangle's), whose index entries do not count."""
+    tail: last rows computed densely besides the index (a triangle's), whose index entries do not count.
+    lines: a grid read in place (execute.grid_form), whose line columns and line rows count too."""
     total = causal_entries(n, kv_len) if row_pos is None else region_causal_entries(row_pos)
     split = n - tail
     out = []
@@ -92,6 +94,7 @@ def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: 
             None if index.col_idx is None else index.col_idx[:, h : h + 1], index.window, index.sink,
         )
         entries = index_entries(one, n, kv_len, row_pos=row_pos, row_stop=split if tail else None)
+        entries += 0 if lines is None else lines.entries(index.block_m)
         out.append((entries + causal_entries(n, kv_len, row_start=split)) / max(1, total))
     return torch.tensor(out, dtype=torch.float64)
 
@@ -151,18 +154,25 @@ def score_candidate(
     ran = torch.zeros(heads, dtype=torch.bool)
     for g in groups:
         start = time.perf_counter()
-        index = build_group_index(g, q, k, space, row_pos)
+        lines = None
+        if g.pattern == "grid" and row_pos is None:
+            # The form the runtime runs (lines read in place where they compute less), so scored = run.
+            index, lines = grid_form(g, n, kv_len, space, q.device, batch=q.shape[0])
+        else:
+            index = build_group_index(g, q, k, space, row_pos)
         _sync(q)
         build_s = time.perf_counter() - start
         timings.index_s += build_s
         ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
-        dens = head_density(index, n, kv_len, row_pos, tail=_dense_tail(g, n))
+        dens = head_density(index, n, kv_len, row_pos, tail=_dense_tail(g, n), lines=lines)
         density[list(g.heads)] = dens
-        run = lambda: _attend(g, index, q, k, v, scale, ids, out, lse, space, row_pos)  # noqa: B023 (called at once)
+        run = lambda: _attend(g, index, q, k, v, scale, ids, out, lse, space, row_pos, lines)  # noqa: B023 (called at once)
         if row_pos is not None and costs.kind == "analytic":  # the model counts a region's own entries
             cost[list(g.heads)] = analytic_ms(g.pattern, dens * region_causal_entries(row_pos), q.shape[-1], kv_len)
         else:
-            cost[list(g.heads)] = costs.cost_ms(g.pattern, dens, kv_len, q, index, run, build_s)
+            # The lines form is its own launch family in the cost table (its line columns and rows are
+            # work that the plain cover's block counts do not describe).
+            cost[list(g.heads)] = costs.cost_ms(GRID_LINES if lines is not None else g.pattern, dens, kv_len, q, index, run, build_s)
         for h in g.heads:
             params[h] = g.params
         within = budget is None or bool((cost[list(g.heads)] <= budget[list(g.heads)]).any())
@@ -189,11 +199,11 @@ def _dense_tail(g: HeadGroup, n: int) -> int:
 
 
 def _attend(g: HeadGroup, index: BlockIndex, q, k, v, scale: float, ids: torch.Tensor, out, lse, space: str,
-            row_pos: torch.Tensor | None) -> None:
+            row_pos: torch.Tensor | None, lines: GridLines | None = None) -> None:
     """One group's attention into out [1, Hq, N, D] / lse [1, Hq, N], as the runtime runs it: the index,
     and for a triangle its last rows over every causal key (execute.attend_triangle's split), here through
     the same kernels with a dense index over those rows so that their lse comes back too."""
-    sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos)
+    sparse_attend(q, k, v, index, scale, ids, out, lse, row_pos, lines=lines)
     tail = _dense_tail(g, q.shape[2])
     if not tail:
         return
