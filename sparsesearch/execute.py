@@ -160,10 +160,7 @@ def _blocks(index: BlockIndex, lines: GridLines | None = None) -> int:
     blocks = int(index.full_count.sum() + index.partial_count.sum())
     if lines is None:
         return blocks
-    area = index.block_m * index.block_n
-    cols = 0 if lines.line_cols is None else int(lines.line_cols.sum()) * index.block_m
-    rows = int((lines.rows() + 1 + lines.kv_len - lines.q_len).sum())
-    return blocks + (cols + rows) * index.batch * index.heads // area
+    return blocks + lines.entries(index.block_m) * index.batch * index.heads // (index.block_m * index.block_n)
 
 
 def sparse_attend(q, k, v, index: BlockIndex, scale: float, heads: torch.Tensor, out, lse, row_pos=None, *,

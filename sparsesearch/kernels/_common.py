@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -250,7 +251,7 @@ def region_maps(row_map: torch.Tensor | None, col_map: torch.Tensor | None, row_
         from ..patterns._common import check_frame
 
         check_frame(maps.rows, maps.keys, row_pos)
-    return RegionMaps(row_map, col_map, row_pos, q_len, kv_len, increasing)
+    return dataclasses.replace(maps, increasing=increasing)
 
 
 def check_region_maps(q: torch.Tensor, k: torch.Tensor, maps: RegionMaps | None, row_pos: torch.Tensor | None,

@@ -379,7 +379,8 @@ def block_sparse_attention(
     col_count = index.col_count
     if full_starts:
         # Full blocks that are one run of the map become plain slabs of the original keys (region_runs.py).
-        _index_strides(full_idx), _index_strides(partial_idx)
+        for lists in (full_idx, partial_idx):
+            _index_strides(lists)  # fold_runs reads them with a unit last stride, as the kernel does
         full_count, full_idx, partial_count, partial_idx = fold_runs(index, col_map)
         col_count = None if col_count is None else col_count.contiguous()  # counts share one stride set
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)

@@ -85,6 +85,7 @@ def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: 
     lines: a grid read in place (execute.grid_form), whose line columns and line rows count too."""
     total = causal_entries(n, kv_len) if row_pos is None else region_causal_entries(row_pos)
     split = n - tail
+    line_entries = 0 if lines is None else lines.entries(index.block_m)  # the same for every head
     out = []
     for h in range(index.heads):
         one = BlockIndex(
@@ -94,7 +95,7 @@ def head_density(index: BlockIndex, n: int, kv_len: int | None = None, row_pos: 
             None if index.col_idx is None else index.col_idx[:, h : h + 1], index.window, index.sink,
         )
         entries = index_entries(one, n, kv_len, row_pos=row_pos, row_stop=split if tail else None)
-        entries += 0 if lines is None else lines.entries(index.block_m)
+        entries += line_entries
         out.append((entries + causal_entries(n, kv_len, row_start=split)) / max(1, total))
     return torch.tensor(out, dtype=torch.float64)
 
