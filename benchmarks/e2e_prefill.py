@@ -13,7 +13,20 @@ are scaled from the artifact's calibration length to min(N, 32K) as the search s
 Per length, each timed with CUDA events (median): the stack on SDPA, the stack through the sparsesearch
 runtime, and the stack with attention free (an attention function that returns zeros) — so attention's
 share of each is total minus that "rest" — and, separately, every dynamic index the sparse prefill builds
-(each layer's head groups on q/k of the prefill's shape, through the runtime's StaticIndexCache).
+(each layer's head groups on q/k of the prefill's shape, through the runtime's StaticIndexCache), and the
+runtime's attention alone per layer kind (each layer's ``Runner.attend`` on random q/k/v of the prefill's
+shape, summed by kind), with the computed density of each pattern's indexes.
+
+``--indexes`` picks where the vertical-slash heads' indexes come from:
+- ``estimated``: the runtime's own estimate on the stack's q/k, as in deployment. Random weights carry no
+  attention structure, so the estimate spreads each head's slash budget over scattered offsets, and the
+  block cover of that many scattered diagonals lists nearly every block: those heads run almost dense,
+  which no calibrated head of a real model does (their densities are in the artifact).
+- ``planted``: each group's index comes from planted lines instead: its ``slash_size`` nearest diagonals
+  (the local band where real heads put most of their slash mass, and where the forced ones lie) and
+  ``vertical_size`` columns (the forced first ones plus a seeded random rest), built once per shape. The
+  prefill then builds no vertical-slash index, so its total adds the estimate's measured cost
+  (``index_ms``, the same builds on the same shapes).
 Needs a CUDA GPU with room for the 8B weights (16 GB) and the activations.
 """
 
@@ -34,9 +47,12 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.ttft import SHAPES, prefill_fn
 from sparsesearch.artifacts import load_artifact
-from sparsesearch.execute import StaticIndexCache
+from benchmarks.kernels import computed_density
+from sparsesearch.execute import HeadGroup, StaticIndexCache
+from sparsesearch.index import BlockIndex
+from sparsesearch.patterns import vertical_slash
 from sparsesearch.patterns.registry import REGISTRY
-from sparsesearch.runtime import apply, remove
+from sparsesearch.runtime import apply, remove, runner_of
 from sparsesearch.search.space import ROUND
 
 SCALED = ("sink", "local", "window", "vertical_size", "slash_size")  # the bundled spaces' scaled_params
@@ -73,6 +89,56 @@ def zero_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.zeros_like(query).transpose(1, 2), None
 
 
+def planted_vs_index(g: HeadGroup, batch: int, q_len: int, kv_len: int, space: str, device, seed: int) -> BlockIndex:
+    """The index of planted lines for a vertical-slash group (module doc): the ``slash_size`` nearest
+    diagonals and ``vertical_size`` columns, the first ``forced`` ones plus a seeded random rest."""
+    p = g.params
+    n_vert, n_slash = min(p.vertical_size, kv_len), min(p.slash_size, kv_len)
+    fixed = vertical_slash.forced(p.force_vertical, n_vert)
+    gen = torch.Generator().manual_seed(seed)
+    vert = torch.cat([torch.arange(fixed), fixed + torch.randperm(kv_len - fixed, generator=gen)[: n_vert - fixed]]).sort().values
+    lines = vertical_slash.VSLines(
+        vertical=vert.to(device).expand(batch, len(g.heads), -1).contiguous(),
+        slash=torch.arange(n_slash, device=device).expand(batch, len(g.heads), -1).contiguous(),
+        q_len=q_len, kv_len=kv_len, head_space=space,
+    )
+    return vertical_slash.index_from_lines(lines, block_m=g.block_m, block_n=g.block_n)
+
+
+class PlantedIndexCache(StaticIndexCache):
+    """The runtime's index cache with planted vertical-slash indexes (``planted_vs_index``), one per group and
+    shape, kept for the whole run; every other group as the runtime builds it."""
+
+    def __init__(self):
+        super().__init__()
+        self._planted: dict[tuple, BlockIndex] = {}
+
+    def index(self, g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str) -> BlockIndex:
+        if g.pattern != "vertical_slash":
+            return super().index(g, q, k, space)
+        key = (g.params, g.heads, g.block_m, g.block_n, q.shape[0], q.shape[2], k.shape[2], space)
+        if key not in self._planted:
+            self._planted[key] = planted_vs_index(g, q.shape[0], q.shape[2], k.shape[2], space, q.device, seed=len(self._planted))
+        return self._planted[key]
+
+
+def attention_split(plan, runner, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) -> tuple[dict, dict]:
+    """The runtime's attention alone on random q/k/v of the prefill's shape: ms per layer kind (each
+    layer's ``Runner.attend``, median, summed by kind) and the mean computed density per pattern (over the
+    sparse layers' groups, as the kernel pays: partial blocks whole, gathered columns per query block)."""
+    q = torch.randn(batch, q_heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms: dict[str, float] = {}
+    for layer in plan.layers:
+        t = float(triton.testing.do_bench(lambda: runner.attend(layer, q, k, v), warmup=25, rep=100, return_mode="median"))
+        ms[layer.kind] = ms.get(layer.kind, 0.0) + t
+    dens: dict[str, list[float]] = {}
+    for layer in plan.layers:
+        for g in layer.groups if layer.kind == "sparse" else ():
+            dens.setdefault(g.pattern, []).append(computed_density(runner._static.index(g, q, k, plan.head_space), n))
+    return {kind: round(t, 1) for kind, t in ms.items()}, {p: round(sum(d) / len(d), 4) for p, d in dens.items()}
+
+
 def index_ms(plan, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) -> float:
     """Every dynamic index one sparse prefill builds (the plan's sparse layers' dynamic groups), timed."""
     cache = StaticIndexCache()
@@ -91,6 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/reference/smollm2-135m-4k"))
+    parser.add_argument("--indexes", nargs="+", choices=("estimated", "planted"), default=["estimated", "planted"],
+                        help="where the vertical-slash heads' indexes come from (module doc)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_prefill.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -114,23 +182,33 @@ def main() -> None:
         t_rest = bench()
         model.set_attn_implementation("sdpa")
         art = mapped_artifact(src, layers, kv_heads, n)
-        plan = apply(model, art, min_tokens=1024)
-        try:
-            t_sparse = bench()
-        finally:
-            remove(model)
-        kinds = pd.Series([layer.kind for layer in plan.layers]).value_counts().to_dict()
-        patterns = art.heads["pattern"].value_counts().to_dict()
-        row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "shape": "8b", "tokens": n, "artifact": str(args.artifact), "layer_kinds": kinds, "head_patterns": patterns,
-               "triangle_start_layer": (art.manifest["methods"]["trianglemix"] or {}).get("start_layer"),
-               "prefill_dense_ms": round(t_dense, 1), "prefill_sparse_ms": round(t_sparse, 1), "rest_ms": round(t_rest, 1),
-               "attention_dense_ms": round(t_dense - t_rest, 1), "attention_sparse_ms": round(t_sparse - t_rest, 1),
-               "index_ms": round(index_ms(plan, 1, n, q_heads, kv_heads, dim), 1),
-               "speedup": round(t_dense / t_sparse, 3), "speedup_attention_free_limit": round(t_dense / t_rest, 3),
-               "command": command}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for mode in args.indexes:
+            plan = apply(model, art, min_tokens=1024)
+            runner = runner_of(model)
+            if mode == "planted":
+                runner._static = PlantedIndexCache()  # the runtime's cache, vertical-slash groups planted
+            try:
+                t_sparse = bench()
+                split, density = attention_split(plan, runner, 1, n, q_heads, kv_heads, dim)
+            finally:
+                remove(model)
+            t_index = index_ms(plan, 1, n, q_heads, kv_heads, dim)
+            # Planted: the prefill built no vertical-slash index, so the estimate's cost is added back.
+            t_total = t_sparse + (t_index if mode == "planted" else 0.0)
+            kinds = pd.Series([layer.kind for layer in plan.layers]).value_counts().to_dict()
+            patterns = art.heads["pattern"].value_counts().to_dict()
+            row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "shape": "8b", "tokens": n, "artifact": str(args.artifact), "indexes": mode, "layer_kinds": kinds,
+                   "head_patterns": patterns, "triangle_start_layer": (art.manifest["methods"]["trianglemix"] or {}).get("start_layer"),
+                   "prefill_dense_ms": round(t_dense, 1), "prefill_sparse_ms": round(t_total, 1), "prefill_sparse_run_ms": round(t_sparse, 1),
+                   "rest_ms": round(t_rest, 1),
+                   "attention_dense_ms": round(t_dense - t_rest, 1), "attention_sparse_ms": round(t_total - t_rest, 1),
+                   "index_ms": round(t_index, 1), "attention_by_kind_ms": split, "density_by_pattern": density,
+                   "speedup": round(t_dense / t_total, 3), "speedup_attention_free_limit": round(t_dense / t_rest, 3),
+                   "command": command}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as fh:
