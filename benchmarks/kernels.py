@@ -14,6 +14,10 @@ divide by it (the definition of rows written before ``sdpa_timing: "interleaved"
 
     python -m benchmarks.kernels --lengths 8192 32768 131072 --out benchmarks/results/kernels.jsonl  # from the repo root
 
+``--graphs`` adds each kernel (ours and FlexAttention) replayed from a CUDA graph, paired with SDPA the
+same way (``t_ours_graph_ms``, ``eff_ours_graph``, ``t_flex_graph_ms``, ``eff_flex_graph``): the GPU's time
+without the host's launch cost, which at 4K exceeds the triangle kernel's GPU work.
+
 Needs a CUDA GPU. Index building is timed separately (``index_ms``).
 """
 
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.timing import cuda_clock, interleaved_ms, l2_flush
+from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
 from sparsesearch.index import BlockIndex, to_block_masks
 from sparsesearch.kernels import block_sparse_attention, triangle_attention
 from sparsesearch.patterns import ashape, block_topk, triangle, vertical_slash
@@ -181,6 +185,9 @@ def run(args) -> list[dict]:
             }
             if name.startswith("vs_"):
                 row.update(vs_estimate_ms=round(t_estimate, 4), vs_estimate_pct_of_sdpa=round(100 * t_estimate / t_sdpa, 2))
+            if args.graphs:
+                t_graph, t_sdpa_graph, _ = paired(graphed(lambda: runner(q, k, v, index)), sdpa, clock, flush)
+                row.update(t_ours_graph_ms=round(t_graph, 4), eff_ours_graph=round(density * t_sdpa_graph / t_graph, 3))
             if flex is not None and index.col_count is None:
                 mm = causal if mask_mod == "causal" else mask_mod
                 try:
@@ -189,10 +196,13 @@ def run(args) -> list[dict]:
                     t_flex, t_sdpa_flex, _ = paired(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), sdpa, clock, flush)
                     row.update(t_flex_ms=round(t_flex, 4), t_sdpa_flex_paired_ms=round(t_sdpa_flex, 4),
                                eff_flex=round(density * t_sdpa_flex / t_flex, 3), eff_flex_cold=round(density * t_sdpa / t_flex, 3))
+                    if args.graphs:
+                        t_graph, t_sdpa_graph, _ = paired(graphed(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True)), sdpa, clock, flush)
+                        row.update(t_flex_graph_ms=round(t_graph, 4), eff_flex_graph=round(density * t_sdpa_graph / t_graph, 3))
                 except Exception as exc:  # report, keep benchmarking the rest
                     row["flex_error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
-            print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "eff_ours", "t_flex_ms", "eff_flex", "t_sdpa_paired_ms", "index_ms", "rel_err_last_rows") if k_ in row}), flush=True)
+            print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "eff_ours", "t_flex_ms", "eff_flex", "t_ours_graph_ms", "t_flex_graph_ms", "t_sdpa_paired_ms", "index_ms", "rel_err_last_rows") if k_ in row}), flush=True)
         del q, k, v, k_rep, v_rep
         torch.cuda.empty_cache()
     return rows
@@ -219,6 +229,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--cases", nargs="*", help="substrings of case names to run (default all)")
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time each kernel (ours and FlexAttention) as a CUDA-graph replay: GPU time without host launch cost")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -54,6 +54,24 @@ def l2_flush(bytes_: int = 256 << 20) -> Callable[[], None]:
     return buffer.zero_
 
 
+def graphed(fn: Callable[[], Any], warmup: int = 3) -> Callable[[], None]:
+    """fn captured once into a CUDA graph (after ``warmup`` eager calls on a side stream, which compile and
+    allocate); the returned call replays it: the GPU's time for fn's work without its host launch cost,
+    which at short lengths is larger than the work itself (a Python launcher per kernel)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 class Interleaved(NamedTuple):
     ms: tuple[float, ...]  # median milliseconds per call, in the order of fns
     reps: int  # timed calls of each fn (warm-up rounds excluded)

@@ -190,8 +190,7 @@ def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) 
     if q.is_cuda:
         from .kernels import triangle_attention
 
-        res, _ = triangle_attention(q, k, v, index, params.last, scale=scale)
-        out.copy_(res)
+        triangle_attention(q, k, v, index, params.last, scale=scale, out=out, lse=lse)
         return
     from .kernels.torch_sparse import block_sparse_attention_torch
     from .reference import masked_attention

@@ -160,6 +160,35 @@ def test_triangle_matches_predicate(last):
     assert_close(out, lse, q, k, v, predicate_mask_fn(triangle, 2, 4, n, n))
 
 
+def test_triangle_varlen_merges_tails_in_place():
+    """Varlen triangle: each sequence's last rows (all of a sequence shorter than ``last``, keys past a short
+    one's end in empty splits) attend every causal key, merged in place over the streaming rows; given
+    out/lse are written and returned."""
+    lens_q, lens_k, last = [70, 10, 33], [90, 10, 33], 24
+    cu_q = torch.tensor([0, 70, 80, 113], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 90, 100, 133], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(113, 4, 64, generator=gen).bfloat16().to(DEVICE)
+    k = torch.randn(133, 2, 64, generator=gen).bfloat16().to(DEVICE)
+    v = torch.randn(133, 2, 64, generator=gen).bfloat16().to(DEVICE)
+    parts = [random_index(1, 2, lq, lk, 16, 16, head_space="kv", seed=b, device=DEVICE) for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
+    out_buf = torch.full_like(q, float("nan"))
+    lse_buf = torch.full((4, 113), float("nan"), device=DEVICE)
+    out, lse = triangle_attention(q, k, v, stack(parts), last, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out_buf, lse=lse_buf)
+    assert out.data_ptr() == out_buf.data_ptr() and lse.data_ptr() == lse_buf.data_ptr()
+    for b in range(3):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        sub = lambda t, s: t[s].transpose(0, 1)[None]
+        streamed = index_mask_fn(parts[b], lens_q[b], lens_k[b], group=2)
+
+        def mask(rows, streamed=streamed, lq=lens_q[b], lk=lens_k[b]):
+            tail = (rows >= lq - last)[None, None, :, None]
+            causal = torch.arange(lk, device=rows.device)[None, None, None, :] <= (rows + lk - lq)[None, None, :, None]
+            return torch.where(tail, causal, streamed(rows))
+
+        assert_close(sub(out, qs), lse[:, qs][None], sub(q, qs), sub(k, ks), sub(v, ks), mask)
+
+
 def test_tail_varlen_rows_past_short_sequences_are_empty():
     cu = torch.tensor([0, 100, 110], dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(5)

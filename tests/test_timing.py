@@ -3,6 +3,7 @@
 import statistics
 
 import pytest
+import torch
 
 from benchmarks.timing import Clock, cpu_clock, interleaved_ms
 
@@ -83,3 +84,15 @@ def test_bad_counts(kwargs):
         interleaved_ms([lambda: None], **kwargs)
     with pytest.raises(ValueError, match="at least one callable"):
         interleaved_ms([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphed_replays_the_captured_work():
+    from benchmarks.timing import graphed
+
+    x = torch.zeros(4, device="cuda")
+    replay = graphed(lambda: x.add_(1.0), warmup=2)  # 2 eager calls, then the capture (which does not run it)
+    assert x.tolist() == [2.0] * 4
+    replay()
+    replay()
+    assert x.tolist() == [4.0] * 4

@@ -424,7 +424,4 @@ def _line_rows(q, k, v, lines: GridLines, heads: torch.Tensor | None, head_space
         q_heads = (heads.long()[:, None] * group + torch.arange(group, device=q.device)).flatten()
     else:
         q_heads = heads.long()
-    o, l = line_rows_attention(q, k, v, lines.row_phase, lines.stride, lines.row_lines, q_heads.to(torch.int32), scale=scale)
-    rows = lines.rows(q.device)
-    out[:, q_heads[:, None], rows[None, :]] = o.to(out.dtype)
-    lse[:, q_heads[:, None], rows[None, :]] = l
+    line_rows_attention(q, k, v, lines.row_phase, lines.stride, lines.row_lines, q_heads.to(torch.int32), scale=scale, out=out, lse=lse)

@@ -3,8 +3,10 @@
 Rows before the last ``last`` rows attend the streaming part (sink + local window): that is the
 block-sparse kernel over an index built by ``patterns.triangle``. The last rows attend every causal key;
 they are few (128 by default) but see the whole context, so a split-K kernel spreads their keys over many
-programs and the partials are merged by log-sum-exp (sparsesearch/merge.py). The streaming result for those rows
-is overwritten.
+programs, and a merge kernel combines the partials by log-sum-exp straight into those rows of the output,
+over the streaming result (``tail_attention`` returns the merged rows instead, merged by sparsesearch/merge.py).
+Measured on an H200 at 4K: the torch merge and its copies cost more host time per call than the whole GPU
+work of the triangle (0.54 ms against 0.25 ms), which put the kernel behind FlexAttention at short lengths.
 
 Layouts and outputs as in ``block_sparse_attention``.
 """
@@ -68,8 +70,12 @@ def _tail_split_fwd(
     pos = rows + (kv_len - q_len)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
-    if (m_tile * BLOCK_M >= tail) | (lo >= hi):
-        return  # the launcher pre-fills partials with (0, -inf)
+    if m_tile * BLOCK_M >= tail:
+        return  # no row of this tile is in the tail: never read
+    if lo >= hi:
+        # No key in this split (a shorter sequence of a varlen batch): lse -inf, so the merge weighs it 0.
+        tl.store(PL + split * stride_ls + b * stride_lb + slot * stride_lh + offs_r, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        return
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
@@ -108,6 +114,62 @@ def _tail_split_fwd(
     tl.store(PL + split * stride_ls + b * stride_lb + slot * stride_lh + offs_r, lse, mask=row_ok)
 
 
+@triton.jit
+def _merge_rows_fwd(
+    PO, PL, O, LSE, CU_Q, QH_MAP,
+    splits, q_len_max, last, row_first, row_step, heads_per_batch,
+    stride_os, stride_ob, stride_oh, stride_or,
+    stride_ls, stride_lb, stride_lh,
+    stride_qb, stride_qh, stride_qn,
+    stride_eb, stride_eh, stride_en,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, VARLEN: tl.constexpr, STRIDED: tl.constexpr,
+):
+    """Merge the split partials of BLOCK_R rows by log-sum-exp straight into out/lse at the rows'
+    positions (the tail's, or a grid head's strided lines): one launch instead of a chain of torch ops."""
+    r_tile = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads_per_batch
+    slot = pid_bh % heads_per_batch
+    if STRIDED:
+        h = tl.load(QH_MAP + slot)
+    else:
+        h = slot
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+    else:
+        q_start = 0
+        q_len = q_len_max
+    tail = tl.minimum(last, q_len)
+    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = offs_r < tail
+    if STRIDED:
+        rows = row_first + row_step * offs_r
+    else:
+        rows = q_len - tail + offs_r
+    offs_d = tl.arange(0, BLOCK_D)
+    l_base = PL + b * stride_lb + slot * stride_lh + offs_r
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for split in range(0, splits):
+        m = tl.maximum(m, tl.load(l_base + split * stride_ls, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    o_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    for split in range(0, splits):
+        w = tl.exp(tl.load(l_base + split * stride_ls, mask=row_ok, other=float("-inf")) - m_safe)
+        o = tl.load(PO + split * stride_os + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :], mask=o_ok, other=0.0)
+        # An empty split's partial output is never written: weigh it out instead of multiplying 0 by it.
+        acc += tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
+        den += w
+    empty = den == 0.0
+    out = acc / tl.where(empty, 1.0, den)[:, None]
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, den)))
+    o_ptrs = O + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
+    tl.store(LSE + b.to(tl.int64) * stride_eb + h * stride_eh + (q_start + rows).to(tl.int64) * stride_en, lse, mask=row_ok)
+
+
 def _num_splits(kv_len: int, programs: int, tile_n: int) -> int:
     """Enough key splits to give every SM about two programs, each split at least one tile wide."""
     return fill_splits(programs, triton.cdiv(kv_len, tile_n), sm_count(0))
@@ -136,17 +198,23 @@ def tail_attention(
 
 
 def line_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, step: int, count: int,
-                        q_heads: torch.Tensor, *, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        q_heads: torch.Tensor, *, scale: float | None = None, out: torch.Tensor | None = None,
+                        lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Dense causal attention of the q rows first + step * r (r < count; a grid head's horizontal lines),
     split over keys, for the query heads ``q_heads`` (int32 [S] ids) only. Dense layout.
-    Returns (out fp32 [B, S, count, D], lse fp32 [B, S, count])."""
+    Returns (out fp32 [B, S, count, D], lse fp32 [B, S, count]); given out [B, Hq, Nq, D] (q's dtype) and lse
+    fp32 [B, Hq, Nq], writes those rows and heads of them in place instead and returns None."""
     layout = check_layout(q, k, v, None, None)
-    return _split_rows(q, k, v, layout, count, scale, None, (first, step, q_heads))
+    into = None if out is None else (out, lse, bhn_strides(out, False), lse.stride())
+    return _split_rows(q, k, v, layout, count, scale, None, (first, step, q_heads), into)
 
 
-def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | None, strided: tuple | None = None):
+def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | None, strided: tuple | None = None,
+                into: tuple | None = None):
     """The split-K launch behind tail_attention (the last ``last`` rows, every head) and
-    line_rows_attention (strided: (first, step, q_heads))."""
+    line_rows_attention (strided: (first, step, q_heads)). into: (out, lse, out's (b, h, n) strides, lse's):
+    the partials are merged by one more launch straight into those rows of out/lse (returns None); else
+    merged by torch and returned as fp32 (out, lse)."""
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
     served = q_heads if strided is None else strided[2].numel()
     q_len_max, kv_len_max = layout.q_len_max, layout.kv_len_max
@@ -161,8 +229,14 @@ def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | N
     splits = splits or _num_splits(kv_len_max, m_tiles * batch * served, tile_n)
     chunk = triton.cdiv(triton.cdiv(kv_len_max, splits), tile_n) * tile_n
     splits = triton.cdiv(kv_len_max, chunk)
-    part_o = torch.zeros(splits, batch, served, last, head_dim, dtype=torch.float32, device=q.device)
-    part_l = torch.full((splits, batch, served, last), float("-inf"), dtype=torch.float32, device=q.device)
+    if into is None:
+        # Returned rows past a sequence's tail read (0, -inf): pre-filled, as the kernel never writes them.
+        part_o = torch.zeros(splits, batch, served, last, head_dim, dtype=torch.float32, device=q.device)
+        part_l = torch.full((splits, batch, served, last), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        # The merge launch reads only rows inside each tail, and every split writes those (an empty one -inf).
+        part_o = torch.empty(splits, batch, served, last, head_dim, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(splits, batch, served, last, dtype=torch.float32, device=q.device)
     first, step, head_map = strided if strided is not None else (0, 1, layout.cu_q)
     # Same shape of tile as the block-sparse kernel's measured best (4 warps, 2 stages, 64-wide keys).
     config = {"num_warps": 4, "num_stages": 1 if interpreting() else 2}
@@ -174,7 +248,16 @@ def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | N
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_M=block_m, TILE_N=tile_n, VARLEN=varlen, DOT_F32=dot_f32(q.dtype), STRIDED=strided is not None, **config,
     )
-    return merge_partials(part_o, part_l, dim=0)
+    if into is None:
+        return merge_partials(part_o, part_l, dim=0)
+    out, lse, so, sl = into
+    _merge_rows_fwd[(m_tiles, batch * served)](
+        part_o, part_l, out, lse, layout.cu_q, head_map, splits, q_len_max, last, first, step, served,
+        *part_o.stride()[:4], *part_l.stride()[:3], *so, *sl,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_R=block_m, VARLEN=varlen, STRIDED=strided is not None,
+        num_warps=4,
+    )
+    return None
 
 
 def triangle_attention(
@@ -187,23 +270,18 @@ def triangle_attention(
     scale: float | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Streaming (sink + window) rows from ``stream_index`` and dense last rows; shapes as block_sparse."""
-    out, lse = block_sparse_attention(q, k, v, stream_index, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    tail_o, tail_l = tail_attention(q, k, v, last, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    if cu_seqlens_q is None:
-        rows = min(last, q.shape[2])
-        out[:, :, -rows:] = tail_o[:, :, :rows].to(out.dtype)
-        lse[:, :, -rows:] = tail_l[:, :, :rows]
-        return out, lse
-    # Varlen: token t of the packed tensor that is row r of sequence b's tail.
-    ends = cu_seqlens_q[1:].long()
-    tails = torch.clamp(cu_seqlens_q.diff().long(), max=last)
-    r = torch.arange(last, device=q.device)
-    tokens = ends[:, None] - tails[:, None] + r[None, :]
-    valid = r[None, :] < tails[:, None]
-    b_idx, r_idx = valid.nonzero(as_tuple=True)
-    tok = tokens[b_idx, r_idx]
-    out[tok] = tail_o[b_idx, :, r_idx].to(out.dtype)
-    lse[:, tok] = tail_l[b_idx, :, r_idx].transpose(0, 1)
+    """Streaming (sink + window) rows from ``stream_index`` and dense last rows; shapes as block_sparse
+    (out/lse given: written in place and returned). Three launches: the streaming pass, the tail's split-K
+    pass, and a merge that writes the tail's rows over the streaming ones."""
+    if last < 1:
+        raise ValueError(f"last must be >= 1, got {last}")
+    out, lse = block_sparse_attention(q, k, v, stream_index, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                      out=out, lse=lse)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    varlen = layout.varlen
+    sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
+    _split_rows(q, k, v, layout, last, scale, None, None, (out, lse, bhn_strides(out, varlen), sl))
     return out, lse
