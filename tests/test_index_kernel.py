@@ -258,6 +258,31 @@ def test_fused_vertical_slash_equals_torch_sweep(space, group, q_len, kv_len, ve
     assert_same_lines(got, want)
 
 
+@pytest.mark.parametrize("space", ["query", "kv"])
+@pytest.mark.parametrize("vertical, slash, force", [(10, 8, 2), (3, 10, 0), (10, 1, 1)])
+def test_fused_vertical_slash_chunked_top_equals_torch(monkeypatch, space, vertical, slash, force):
+    """Keys past one program's lanes: per-chunk candidates, then their top-k, equal to the torch build
+    (chunks of 64 keys here stand in for VS_TOP_LANES = 32768; the last chunk is short)."""
+    from sparsesearch.kernels import index_build
+
+    monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
+    params = vertical_slash.VerticalSlashParams(vertical_size=vertical, slash_size=slash, last_q=16,
+                                                force_vertical=force, force_slash=force)
+    q, k = separated_qk(params, 2, 4, 2, 300, 333, space)
+    got, want = vs_pair(params, q, k, space)
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+
+
+def test_fused_vertical_slash_refuses_too_many_candidates(monkeypatch):
+    from sparsesearch.kernels import index_build
+
+    monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
+    params = vertical_slash.VerticalSlashParams(vertical_size=40, slash_size=8, last_q=16)
+    q, k = torch.randn(1, 2, 300, DIM, device=DEVICE), torch.randn(1, 2, 333, DIM, device=DEVICE)
+    assert "top-k candidates" in vertical_slash.fused_refusal(params, q, k)
+
+
 def test_fused_vertical_slash_bf16_inputs():
     params = vertical_slash.VerticalSlashParams(vertical_size=24, slash_size=16, last_q=16, force_vertical=2, force_slash=2)
     q, k = separated_qk(params, 2, 4, 2, 200, 200, "kv", dtype=torch.bfloat16)

@@ -296,7 +296,9 @@ def block_topk_index(
 #    diagonal sums (offset d = pos - j); kv head space sums the GQA group's heads.
 # 3. ``_vs_top``: per (batch, index head, line kind): the forced lines get +inf, the exact top-k of
 #    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
-#    the prefix counts ``below[x]`` = chosen offsets < x.
+#    the prefix counts ``below[x]`` = chosen offsets < x. Past VS_TOP_LANES keys (one program's registers)
+#    in two stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``), then
+#    ``_vs_top_merge`` picks from those; ``below`` is then a search of the sorted offsets.
 # 4. ``_vs_index``: per (query block, batch, index head): the key blocks a chosen offset touches (two
 #    reads of ``below`` per block), full/partial by causality, and the verticals that are causal for the
 #    block's last row and outside every touched block as gathered columns.
@@ -304,7 +306,7 @@ def block_topk_index(
 VS_TILE = 64  # keys per window of _vs_sums (and per step of _vs_row_stats)
 VS_CHUNK = 1024  # keys per _vs_row_stats program
 MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 128] probabilities); more: the torch build
-MAX_VS_KEYS = 32768  # keys a _vs_top program holds in registers; longer: the torch build
+VS_TOP_LANES = 32768  # keys (or candidates) a _vs_top program holds in registers
 
 
 @triton.jit
@@ -447,6 +449,59 @@ def _vs_top(
 
 
 @triton.jit
+def _vs_top_chunk(
+    COLS, DIAG, CAND_S, CAND_I, kv_len, n_vert, n_slash, force_vert, force_slash, width,
+    CHUNK: tl.constexpr,
+):
+    """Keys past VS_TOP_LANES, stage 1: each chunk of CHUNK keys keeps its own best min(take, chunk) lines
+    as (score, key id) candidates, ascending by id, in its ``width`` slots (the rest id -1); stage 2
+    (``_vs_top_merge``) picks the take best candidates. Exact: a line of the global top-take is in its
+    chunk's top-take, and ties to the lower id hold in both stages."""
+    bh = tl.program_id(0)
+    slash = tl.program_id(1) == 1
+    chunk = tl.program_id(2)
+    lanes = tl.arange(0, CHUNK)
+    keys = chunk * CHUNK + lanes
+    ok = keys < kv_len
+    take = tl.where(slash, n_slash, n_vert)
+    force = tl.where(slash, force_slash, force_vert)
+    if slash:
+        src = DIAG
+    else:
+        src = COLS
+    scores = tl.load(src + bh.to(tl.int64) * kv_len + keys, mask=ok, other=0.0)
+    scores = tl.where(keys < force, float("inf"), scores)
+    take = tl.minimum(take, tl.minimum(kv_len - chunk * CHUNK, CHUNK))
+    chosen = _top_take(scores, ok, take, lanes)
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    base = ((bh * 2 + tl.program_id(1)) * tl.num_programs(2) + chunk).to(tl.int64) * width
+    tl.store(CAND_I + base + lanes, tl.full([CHUNK], -1, tl.int32), mask=(lanes >= take) & (lanes < width))
+    tl.store(CAND_S + base + slot, scores, mask=chosen)
+    tl.store(CAND_I + base + slot, keys, mask=chosen)
+
+
+@triton.jit
+def _vs_top_merge(CAND_S, CAND_I, VERT, SLASH, n_cand, n_vert, n_slash, NC_P2: tl.constexpr):
+    """Stage 2 of the chunked top-k: the take best of a head's candidates (ascending by id, so position
+    order is id order and the tie rule carries over), written ascending."""
+    bh = tl.program_id(0)
+    slash = tl.program_id(1) == 1
+    lanes = tl.arange(0, NC_P2)
+    base = (bh * 2 + tl.program_id(1)).to(tl.int64) * n_cand
+    ids = tl.load(CAND_I + base + lanes, mask=lanes < n_cand, other=-1)
+    live = ids >= 0
+    scores = tl.load(CAND_S + base + lanes, mask=live, other=0.0)
+    take = tl.where(slash, n_slash, n_vert)
+    if slash:
+        out = SLASH + bh.to(tl.int64) * n_slash
+    else:
+        out = VERT + bh.to(tl.int64) * n_vert
+    chosen = _top_take(scores, live, take, lanes)
+    slot = tl.cumsum(chosen.to(tl.int32), 0)
+    tl.store(out + slot - 1, ids.to(tl.int64), mask=chosen)
+
+
+@triton.jit
 def _vs_touched(below, kb, p0, p1, kv_len, BLOCK_N: tl.constexpr):
     """Whether a chosen slash offset reaches key block kb from the query block at positions [p0, p1]:
     some offset in [max(p0 - k1, 0), p1 - k0] (prefix counts ``below``), and the block is causal."""
@@ -483,16 +538,62 @@ def _vs_index(
     _store_list(COL_CNT + row, COL_IDX + row * n_vert, live & (vert <= p1) & ~covered, vert, lanes, live)
 
 
-def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None) -> str | None:
+def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None,
+               vertical_size: int = 1, slash_size: int = 1) -> str | None:
     """``fusable`` plus the vertical-slash limits (None: the fused build takes these inputs)."""
     why = fusable(q, k, block_n, row_pos)
     if why is None and q.shape[-1] < 16:
         why = f"head_dim {q.shape[-1]} < 16 (tl.dot's smallest side)"
     if why is None and min(last_q, q.shape[2]) > MAX_LAST_Q:
         why = f"last_q {last_q} > {MAX_LAST_Q}"
-    if why is None and k.shape[2] > MAX_VS_KEYS:
-        why = f"{k.shape[2]} keys > {MAX_VS_KEYS}"
+    if why is None:
+        kv_len = k.shape[2]
+        why = vs_top_refusal(kv_len, min(vertical_size, kv_len), min(slash_size, kv_len))
     return why
+
+
+def vs_top_refusal(kv_len: int, vertical_size: int, slash_size: int) -> str | None:
+    """Why the top-k cannot take this many keys and lines (None: it can): one program holds VS_TOP_LANES
+    keys, or, chunked, every chunk's candidates."""
+    if kv_len <= VS_TOP_LANES:
+        return None
+    chunks = num_blocks(kv_len, VS_TOP_LANES)
+    cands = chunks * min(max(vertical_size, slash_size), VS_TOP_LANES)
+    if cands > VS_TOP_LANES:
+        return f"{kv_len} keys keep {cands} top-k candidates > {VS_TOP_LANES} (fewer lines or keys)"
+    return None
+
+
+def _top_warps(lanes: int) -> int:
+    return 4 if lanes <= 2048 else (8 if lanes <= 8192 else 16)
+
+
+def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int) -> None:
+    """The top-k of the column and diagonal sums [2, BH, kv_len] into vertical/slash (ascending) and the
+    prefix counts ``below`` [BH, kv_len + 1] of the chosen offsets: one program per head and kind up to
+    VS_TOP_LANES keys, else chunked (``_vs_top_chunk`` then ``_vs_top_merge``; inputs checked by
+    ``vs_top_refusal``)."""
+    bh = sums.shape[1]
+    if kv_len <= VS_TOP_LANES:
+        nk_p2 = triton.next_power_of_2(kv_len)
+        _vs_top[(bh, 2)](
+            sums[0], sums[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
+            NK_P2=nk_p2, num_warps=_top_warps(nk_p2),
+        )
+        return
+    chunks = num_blocks(kv_len, VS_TOP_LANES)
+    width = min(max(n_vert, n_slash), VS_TOP_LANES)
+    cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=sums.device)
+    cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=sums.device)
+    _vs_top_chunk[(bh, 2, chunks)](
+        sums[0], sums[1], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
+        CHUNK=VS_TOP_LANES, num_warps=16,
+    )
+    nc_p2 = triton.next_power_of_2(chunks * width)
+    _vs_top_merge[(bh, 2)](cand_s, cand_i, vertical, slash, chunks * width, n_vert, n_slash, NC_P2=nc_p2, num_warps=_top_warps(nc_p2))
+    # below[h, x] = chosen offsets < x, as _vs_top writes it: a search of the sorted offsets.
+    points = torch.arange(kv_len + 1, device=sums.device).expand(bh, -1).contiguous()
+    below.copy_(torch.searchsorted(slash.view(bh, n_slash), points))
 
 
 def vertical_slash_index(
@@ -542,11 +643,7 @@ def vertical_slash_index(
     vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
     slash = torch.empty(batch, heads, n_slash, dtype=torch.int64, device=device)
     below = torch.empty(batch * heads, kv_len + 1, dtype=torch.int32, device=device)
-    nk_p2 = triton.next_power_of_2(kv_len)
-    _vs_top[(batch * heads, 2)](
-        sums[0], sums[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
-        NK_P2=nk_p2, num_warps=4 if nk_p2 <= 2048 else (8 if nk_p2 <= 8192 else 16),
-    )
+    _vs_lines(sums, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash)
     q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
     counts = torch.empty(3, batch, heads, q_blocks, dtype=torch.int32, device=device)
     lists = torch.empty(2, batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=device)

@@ -200,7 +200,7 @@ def fused_refusal(params: VerticalSlashParams, q: torch.Tensor, k: torch.Tensor,
     """Why the fused build cannot take these inputs (None: it can)."""
     from ..kernels.index_build import vs_fusable
 
-    return vs_fusable(q, k, block_n, params.last_q, row_pos)
+    return vs_fusable(q, k, block_n, params.last_q, row_pos, params.vertical_size, params.slash_size)
 
 
 def predicate(params: VerticalSlashParams, lines: VSLines, group: int = 1):
