@@ -132,7 +132,7 @@ class StaticIndexCache:
             # build, whose two index_select copies alone cost more (H200, 8K: 0.11 vs 0.22 ms, RESULTS). The
             # question is the one build_index itself asks (same rule: a graph only where it would not fuse).
             refusal = lambda: pattern(g.pattern).fused_refusal(g.params, q, k, block_n=g.block_n)  # noqa: E731
-            if wants_fused(None, False, refusal, q, num_blocks(k.shape[2], g.block_n)):
+            if wants_fused(None, refusal, q):
                 return build_group_index(g, q, k, space)
             if self._graphs is not None and usable(q, k):
                 return self._graphs.index(g, q, k, space)

@@ -329,18 +329,18 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not in
 
 
 @GPU
-def test_unasked_fused_build_stops_at_wide_lists_without_static_widths():
-    """fused=None: a dynamic-widths build past DYNAMIC_WIDTH_MAX_BLOCKS key blocks stays torch (its lists
-    are narrower there); asking for static widths, or insisting, takes the fused build."""
-    from sparsesearch.kernels.index_build import DYNAMIC_WIDTH_MAX_BLOCKS
+def test_unasked_fused_build_takes_wide_key_axes():
+    """fused=None on CUDA: the fused build at any width it takes (static widths asked or not), the torch
+    build only where it refuses (past MAX_KEY_BLOCKS)."""
+    from sparsesearch.kernels.index_build import MAX_KEY_BLOCKS
 
-    n = (DYNAMIC_WIDTH_MAX_BLOCKS + 1) * 16
-    q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, n, 16, seed=1).cuda()
+    q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, 2048 * 16, 16, seed=1).cuda()
     params = block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1)
     kw = dict(head_space="kv", block_m=16, block_n=16)
-    assert "fused" not in block_topk.build_index(params, q, k, **kw).meta
+    assert block_topk.build_index(params, q, k, **kw).meta["fused"]
     assert block_topk.build_index(params, q, k, static_widths=True, **kw).meta["fused"]
-    assert block_topk.build_index(params, q, k[:, :, : DYNAMIC_WIDTH_MAX_BLOCKS * 16], **kw).meta["fused"]  # 512: still fused
+    long_k = planted(1, 1, (MAX_KEY_BLOCKS + 1) * 16, 16, seed=1).cuda()
+    assert "fused" not in block_topk.build_index(params, q, long_k, **kw).meta
 
 
 @GPU

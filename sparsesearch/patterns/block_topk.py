@@ -158,14 +158,13 @@ def build_index(
     """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``).
     static_widths: no device sync (``index_from_selection``).
     fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort; its lists have static
-    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (for a dynamic-widths build
-    up to ``index_build.DYNAMIC_WIDTH_MAX_BLOCKS`` key blocks; else this torch build, the reference), True
-    insists (ValueError when it cannot), False never."""
+    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (else this torch build, the
+    reference), True insists (ValueError when it cannot), False never."""
     from ..kernels.index_build import block_topk_index, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, static_widths, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q, num_blocks(kv_len, block_n)):
+    if wants_fused(fused, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q):
         index, blocks = block_topk_index(q, k, params.k_blocks, params.sink_blocks, head_space=head_space,
                                          block_m=block_m, block_n=block_n)
         selection = BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space)

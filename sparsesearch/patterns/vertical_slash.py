@@ -175,14 +175,13 @@ def build_index(
 ) -> BlockIndex:
     """estimate + index_from_lines (static_widths: no device sync, see there).
     fused: the Triton build (kernels/index_build.py: four launches, no [last_q, Nk] matrix in HBM, no sort;
-    its lists have static widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (for a
-    dynamic-widths build up to ``index_build.DYNAMIC_WIDTH_MAX_BLOCKS`` key blocks; else this torch build,
-    the reference), True insists (ValueError when it cannot), False never."""
+    its lists have static widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (else
+    this torch build, the reference), True insists (ValueError when it cannot), False never."""
     from ..kernels.index_build import vertical_slash_index, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, static_widths, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q, num_blocks(kv_len, block_n)):
+    if wants_fused(fused, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q):
         p = params
         index, vertical, slash = vertical_slash_index(
             q, k, vertical_size=p.vertical_size, slash_size=p.slash_size, last_q=p.last_q,
