@@ -209,7 +209,6 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
-        torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)

@@ -106,14 +106,19 @@ def test_empty_rows_give_zeros_not_nan():
     assert bool(torch.isinf(lse[0, 0, 32:]).all())  # no blocks at all for later rows of head 0
 
 
+def varlen_qkv(lens_q, lens_k, q_heads, kv_heads, dtype, seed, dim=64):
+    """Packed q [sum(lens_q), Hq, D], k/v [sum(lens_k), Hkv, D] (random, ``dtype``) and their int32 cu_seqlens."""
+    cu_q, cu_k = (torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), q_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn(sum(lens_k), kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(sum(lens_k), kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    return cu_q, cu_k, q, k, v
+
+
 def test_varlen_matches_per_sequence():
     lens_q, lens_k = [70, 1, 33], [90, 5, 33]
-    cu_q = torch.tensor([0, 70, 71, 104], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 90, 95, 128], dtype=torch.int32, device=DEVICE)
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(104, 6, 64, generator=gen).half().to(DEVICE)
-    k = torch.randn(128, 2, 64, generator=gen).half().to(DEVICE)
-    v = torch.randn(128, 2, 64, generator=gen).half().to(DEVICE)
+    cu_q, cu_k, q, k, v = varlen_qkv(lens_q, lens_k, 6, 2, torch.half, seed=7)
     # One index per sequence (its own causal offset), stacked and padded to the longest.
     parts = [random_index(1, 2, lq, lk, 16, 16, columns=4, head_space="kv", seed=b, device=DEVICE)
              for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
@@ -165,12 +170,7 @@ def test_triangle_varlen_merges_tails_in_place():
     one's end in empty splits) attend every causal key, merged in place over the streaming rows; given
     out/lse are written and returned."""
     lens_q, lens_k, last = [70, 10, 33], [90, 10, 33], 24
-    cu_q = torch.tensor([0, 70, 80, 113], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 90, 100, 133], dtype=torch.int32, device=DEVICE)
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(113, 4, 64, generator=gen).bfloat16().to(DEVICE)
-    k = torch.randn(133, 2, 64, generator=gen).bfloat16().to(DEVICE)
-    v = torch.randn(133, 2, 64, generator=gen).bfloat16().to(DEVICE)
+    cu_q, cu_k, q, k, v = varlen_qkv(lens_q, lens_k, 4, 2, torch.bfloat16, seed=9)
     parts = [random_index(1, 2, lq, lk, 16, 16, head_space="kv", seed=b, device=DEVICE) for b, (lq, lk) in enumerate(zip(lens_q, lens_k))]
     out_buf = torch.full_like(q, float("nan"))
     lse_buf = torch.full((4, 113), float("nan"), device=DEVICE)

@@ -533,7 +533,7 @@ def _vs_index(
 
 
 def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None,
-               vertical_size: int = 1, slash_size: int = 1) -> str | None:
+               vertical_size: int, slash_size: int) -> str | None:
     """``fusable`` plus the vertical-slash limits (None: the fused build takes these inputs)."""
     why = fusable(q, k, block_n, row_pos)
     if why is None and q.shape[-1] < 16:
@@ -551,11 +551,15 @@ def vs_top_refusal(kv_len: int, vertical_size: int, slash_size: int) -> str | No
     keys, or, chunked, every chunk's candidates."""
     if kv_len <= VS_TOP_LANES:
         return None
-    chunks = num_blocks(kv_len, VS_TOP_LANES)
-    cands = chunks * min(max(vertical_size, slash_size), VS_TOP_LANES)
+    cands = num_blocks(kv_len, VS_TOP_LANES) * _candidates_per_chunk(vertical_size, slash_size)
     if cands > VS_TOP_LANES:
         return f"{kv_len} keys keep {cands} top-k candidates > {VS_TOP_LANES} (fewer lines or keys)"
     return None
+
+
+def _candidates_per_chunk(n_vert: int, n_slash: int) -> int:
+    """Slots each chunk of the chunked top-k keeps for its candidates: the larger take, at most a chunk."""
+    return min(max(n_vert, n_slash), VS_TOP_LANES)
 
 
 def _top_warps(lanes: int) -> int:
@@ -576,7 +580,7 @@ def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: i
         )
         return
     chunks = num_blocks(kv_len, VS_TOP_LANES)
-    width = min(max(n_vert, n_slash), VS_TOP_LANES)
+    width = _candidates_per_chunk(n_vert, n_slash)
     cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=sums.device)
     cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=sums.device)
     _vs_top_chunk[(bh, 2, chunks)](
