@@ -330,19 +330,21 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not in
 
 @GPU
 def test_unasked_fused_build_takes_wide_key_axes():
-    """fused=None on CUDA: the fused build (static widths asked or not) wherever it takes the inputs, up to
-    block top-k's measured UNASKED_FUSED_MAX_BLOCKS; past that only when insisted on."""
-    limit = block_topk.UNASKED_FUSED_MAX_BLOCKS
-    q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, limit * 16, 16, seed=1).cuda()
+    """fused=None on CUDA: the fused build (static widths asked or not) at every key axis ``fusable`` takes,
+    up to MAX_KEY_BLOCKS lanes; past that the torch build, and fused=True says why it cannot."""
+    from sparsesearch.kernels.index_build import MAX_KEY_BLOCKS
+
+    q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, MAX_KEY_BLOCKS * 16, 16, seed=1).cuda()
     params = block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1)
     kw = dict(head_space="kv", block_m=16, block_n=16)
     assert block_topk.build_index(params, q, k, **kw).meta["fused"]
     assert block_topk.build_index(params, q, k, static_widths=True, **kw).meta["fused"]
-    long_k = planted(1, 1, (limit + 1) * 16, 16, seed=1).cuda()
+    long_k = planted(1, 1, (MAX_KEY_BLOCKS + 1) * 16, 16, seed=1).cuda()
     assert "fused" not in block_topk.build_index(params, q, long_k, **kw).meta
-    assert block_topk.build_index(params, q, long_k, fused=True, **kw).meta["fused"]
+    with pytest.raises(ValueError, match=f"{MAX_KEY_BLOCKS + 1} key blocks"):
+        block_topk.build_index(params, q, long_k, fused=True, **kw)
     vs = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=16)
-    assert vertical_slash.build_index(vs, q, long_k, **kw).meta["fused"]  # vertical-slash: no such cut-off
+    assert vertical_slash.build_index(vs, q, long_k, **kw).meta["fused"]  # vertical-slash: chunked past its lanes
 
 
 @GPU

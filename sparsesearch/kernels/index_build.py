@@ -72,7 +72,8 @@ def _pooled_scores(
     [start, min(q_len, start + BLOCK_M)) . every pooled key block (rows past n_heads: 0).
 
     Walks the head dim CHUNK_D at a time so the [HEADS_P2, KB_P2, CHUNK_D] product stays in registers;
-    each pooled-key chunk is loaded once for all the heads.
+    each pooled-key chunk is loaded once for all the heads. A runtime loop, not an unrolled one: at 128K
+    keys (2048 lanes, CHUNK_D 1) unrolling 128 chunks took the compiler 155 s on an H200 host.
     """
     heads = tl.arange(0, HEADS_P2)
     rows = start + tl.arange(0, BLOCK_M)
@@ -80,7 +81,7 @@ def _pooled_scores(
     count = tl.minimum(q_len - start, BLOCK_M).to(tl.float32)
     row_off = heads.to(tl.int64)[:, None] * stride_qh + rows.to(tl.int64)[None, :] * stride_qn  # [HEADS_P2, BLOCK_M]
     scores = tl.zeros([HEADS_P2, KB_P2], dtype=tl.float32)
-    for d0 in tl.static_range(0, BLOCK_D, CHUNK_D):
+    for d0 in tl.range(0, BLOCK_D, CHUNK_D):
         offs_d = d0 + tl.arange(0, CHUNK_D)
         qt = tl.load(q_base + row_off[:, :, None] + offs_d[None, None, :],
                      mask=row_ok[:, :, None] & (offs_d < HEAD_DIM)[None, None, :], other=0.0).to(tl.float32)
@@ -212,9 +213,10 @@ def wants_fused(fused: bool | None, refusal, q: torch.Tensor) -> bool:
     ``refusal()`` (the pattern's ``*fusable`` check: a reason, or None) has none; True always (ValueError
     naming why it cannot); False never. The fused index always has static widths (lists as wide as the key
     blocks), which every consumer reads as well as the narrow ones (entries past a count are never read).
-    Measured on an H200 (32/8 heads, 32K-128K keys): static or not, the fused build is 2-4x faster than the
-    torch one and peaks at 1/12-1/30 of its memory (the torch build's [B, H, QB, KB] sorts), so an unasked
-    build never prefers torch for narrower lists (benchmarks/RESULTS.md, session 9)."""
+    Measured on an H200 (32/8 heads, 32K-128K keys): static or not, the fused build is faster than the torch
+    one (vertical-slash 2-4x; block top-k 3.3x at 32K, 1.08x at 128K) and peaks at 1/12-1/30 of its memory
+    (the torch build's [B, H, QB, KB] sorts), so an unasked build never prefers torch for narrower lists
+    (benchmarks/RESULTS.md, sessions 9-10)."""
     if fused is False or (fused is None and not q.is_cuda):
         return False
     why = refusal()

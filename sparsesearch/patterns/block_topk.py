@@ -56,10 +56,6 @@ DYNAMIC = True  # index estimated from q/k at run time: build_index(params, q, k
 REGION = True  # build_index takes a permuted region frame (row_pos)
 STREAMING = False  # keeps keys beyond sinks + a recent window
 COLOR = "#2ca02c"  # heads map (report/heads_map.py)
-# Key blocks up to which an unasked build (fused=None) takes the fused select: measured faster than the
-# torch build through 64K keys at 64 (H200: 2.8 vs 5.7 ms, 76 MiB vs 2 GiB peak); at 128K (2048 lanes per
-# select program) a first timing did not finish within 120 s, so the torch build keeps those lengths.
-UNASKED_FUSED_MAX_BLOCKS = 1024
 
 
 def demo_params(tokens: int) -> BlockTopKParams:
@@ -162,15 +158,12 @@ def build_index(
     """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``).
     static_widths: no device sync (``index_from_selection``).
     fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort; its lists have static
-    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason, up to
-    UNASKED_FUSED_MAX_BLOCKS key blocks (else this torch build, the reference), True insists (ValueError
-    when it cannot), False never."""
+    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (else this torch build, the
+    reference), True insists (ValueError when it cannot), False never."""
     from ..kernels.index_build import block_topk_index, wants_fused
 
     check_head_space(head_space)
     _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if fused is None and num_blocks(kv_len, block_n) > UNASKED_FUSED_MAX_BLOCKS:
-        fused = False
     if wants_fused(fused, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q):
         index, blocks = block_topk_index(q, k, params.k_blocks, params.sink_blocks, head_space=head_space,
                                          block_m=block_m, block_n=block_n)
