@@ -1,6 +1,7 @@
 """End-to-end prefill of an 8B-shaped stack with a real calibrate + probe-layers pattern mix vs SDPA (issue 14 §2).
 
-    PYTHONPATH=. python benchmarks/e2e_prefill.py --tokens 32768 131072
+    python -m benchmarks.e2e_prefill --tokens 32768 131072   # as a module: a script run puts benchmarks/
+    # first on sys.path, where transformers' optional `import kernels` would find benchmarks/kernels.py
 
 The stack is `benchmarks/ttft.py`'s random-weight Llama-3.1-8B shape (32 layers, hidden 4096, GQA 32/8,
 MLP 14336), prefilled as generate's first step does (`logits_to_keep=1`, no KV cache kept), bf16. The
@@ -27,7 +28,14 @@ shape, summed by kind), with the computed density of each pattern's indexes.
   ``vertical_size`` columns (the forced first ones plus a seeded random rest), built once per shape. The
   prefill then builds no vertical-slash index, so its total adds the estimate's measured cost
   (``index_ms``, the same builds on the same shapes).
-Needs a CUDA GPU with room for the 8B weights (16 GB) and the activations.
+Long lengths. A call that takes over a second (a prefill at 512K+) is timed once, after one warm call,
+with CUDA events, instead of triton's repeated medians. From ``--compose-dense-from`` tokens (default
+512K) the SDPA stack is not run whole: at 1M one dense pass is ~9 minutes on an H200, past a device
+command's limit. Its time is composed as the attention-free pass plus layers x one layer's SDPA attention
+(transformers' own sdpa attention function on q/k/v of the prefill's shape) — every layer has the same
+shape, so that is the stack's attention. Below that length the row carries both, the measured and the
+composed, so the composition is checked where both fit (``prefill_dense_composed_ms``).
+Needs a CUDA GPU with room for the 8B weights (16 GB) and the activations (~110 GB at 1M tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import pandas as pd
 import torch
 import triton
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from benchmarks.ttft import SHAPES, prefill_fn
 from sparsesearch.artifacts import load_artifact
@@ -130,13 +139,40 @@ def attention_split(plan, runner, batch: int, n: int, q_heads: int, kv_heads: in
     k, v = (torch.randn(batch, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ms: dict[str, float] = {}
     for layer in plan.layers:
-        t = float(triton.testing.do_bench(lambda: runner.attend(layer, q, k, v), warmup=25, rep=100, return_mode="median"))
-        ms[layer.kind] = ms.get(layer.kind, 0.0) + t
+        ms[layer.kind] = ms.get(layer.kind, 0.0) + timed_ms(lambda: runner.attend(layer, q, k, v))
     dens: dict[str, list[float]] = {}
     for layer in plan.layers:
         for g in layer.groups if layer.kind == "sparse" else ():
             dens.setdefault(g.pattern, []).append(computed_density(runner._static.index(g, q, k, plan.head_space), n))
     return {kind: round(t, 1) for kind, t in ms.items()}, {p: round(sum(d) / len(d), 4) for p, d in dens.items()}
+
+
+def timed_ms(fn) -> float:
+    """ms of one fn call: triton's median over repeated calls when a call takes under a second; past that
+    (a 512K+ prefill) one call with CUDA events after the warm one."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def once() -> float:
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    if once() < 1000.0:
+        return float(triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median"))
+    return once()
+
+
+def sdpa_layer_ms(model, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) -> float:
+    """One layer's dense attention as the SDPA stack runs it: transformers' sdpa attention function of
+    layer 0's module on random q [B, Hq, N, D], k/v [B, Hkv, N, D] (causal, no mask)."""
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(batch, q_heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        return timed_ms(lambda: ALL_ATTENTION_FUNCTIONS["sdpa"](attn, q, k, v, None, dropout=0.0, scaling=attn.scaling))
 
 
 def index_ms(plan, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) -> float:
@@ -150,7 +186,7 @@ def index_ms(plan, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) ->
         for g in groups:
             cache.index(g, q, k, plan.head_space)
 
-    return float(triton.testing.do_bench(build, warmup=100, rep=500, return_mode="median")) if groups else 0.0
+    return timed_ms(build) if groups else 0.0
 
 
 def main() -> None:
@@ -159,6 +195,8 @@ def main() -> None:
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/reference/smollm2-135m-4k"))
     parser.add_argument("--indexes", nargs="+", choices=("estimated", "planted"), default=["estimated", "planted"],
                         help="where the vertical-slash heads' indexes come from (module doc)")
+    parser.add_argument("--compose-dense-from", type=int, default=524288,
+                        help="from this many tokens the SDPA stack's time is composed, not run (module doc)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_prefill.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -173,14 +211,21 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     layers, q_heads, kv_heads = shape["num_hidden_layers"], shape["num_attention_heads"], shape["num_key_value_heads"]
     dim = shape["hidden_size"] // q_heads
-    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for n in args.tokens:
         prefill = prefill_fn(model, n)
-        bench = lambda: float(triton.testing.do_bench(prefill, warmup=100, rep=500, return_mode="median"))  # noqa: E731
-        t_dense = bench()
+        bench = lambda: timed_ms(prefill)  # noqa: E731
+        composed = n >= args.compose_dense_from
+        t_dense_run = None if composed else bench()
         model.set_attn_implementation("zero_attention")
         t_rest = bench()
         model.set_attn_implementation("sdpa")
+        t_layer = sdpa_layer_ms(model, 1, n, q_heads, kv_heads, dim)
+        torch.cuda.empty_cache()  # its q/k/v: the 1M passes need the room
+        t_composed = t_rest + layers * t_layer
+        t_dense = t_composed if composed else t_dense_run
+        print(f"{n} tokens: dense {'composed' if composed else 'run'} {t_dense:.1f} ms (composed {t_composed:.1f}), "
+              f"attention-free {t_rest:.1f} ms", flush=True)
         art = mapped_artifact(src, layers, kv_heads, n)
         for mode in args.indexes:
             plan = apply(model, art, min_tokens=1024)
@@ -200,18 +245,19 @@ def main() -> None:
             row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                    "shape": "8b", "tokens": n, "artifact": str(args.artifact), "indexes": mode, "layer_kinds": kinds,
                    "head_patterns": patterns, "triangle_start_layer": (art.manifest["methods"]["trianglemix"] or {}).get("start_layer"),
-                   "prefill_dense_ms": round(t_dense, 1), "prefill_sparse_ms": round(t_total, 1), "prefill_sparse_run_ms": round(t_sparse, 1),
+                   "prefill_dense_ms": round(t_dense, 1), "prefill_dense_method": "composed" if composed else "run",
+                   "prefill_dense_composed_ms": round(t_composed, 1), "sdpa_layer_ms": round(t_layer, 2),
+                   "prefill_sparse_ms": round(t_total, 1), "prefill_sparse_run_ms": round(t_sparse, 1),
                    "rest_ms": round(t_rest, 1),
                    "attention_dense_ms": round(t_dense - t_rest, 1), "attention_sparse_ms": round(t_total - t_rest, 1),
                    "index_ms": round(t_index, 1), "attention_by_kind_ms": split, "density_by_pattern": density,
                    "speedup": round(t_dense / t_total, 3), "speedup_attention_free_limit": round(t_dense / t_rest, 3),
                    "command": command}
-            rows.append(row)
             print(json.dumps(row), flush=True)
+            # One row at a time: a 1M run takes minutes per length, and a later length may not finish.
+            with args.out.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":

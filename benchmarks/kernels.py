@@ -39,7 +39,6 @@ from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
 from sparsesearch.index import BlockIndex, to_block_masks
 from sparsesearch.kernels import block_sparse_attention, triangle_attention
 from sparsesearch.patterns import ashape, block_topk, triangle, vertical_slash
-from sparsesearch.runtime.run import TRIANGLE_BLOCK
 from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,8 +120,8 @@ def make_cases(n: int, q, k, args):
             cases.append((f"{name}_b{bm}x{bn}", {"vertical": n_vert, "slash": n_slash, "block_m": bm, "block_n": bn},
                           lambda lines=lines, bm=bm, bn=bn: (vertical_slash.index_from_lines(lines, block_m=bm, block_n=bn), None, None, None)))
     t = triangle.TriangleParams(sink=64, window=512, last=128)
-    # 128-blocks: the rows of Runs 1-6; TRIANGLE_BLOCK (64): what the runtime runs a TriangleMix layer with.
-    for block, suffix in ((128, ""), (TRIANGLE_BLOCK, f"_b{TRIANGLE_BLOCK}")):
+    # 128-blocks: the rows of Runs 1-6; LAYER_BLOCK (64): what the runtime runs a TriangleMix layer with.
+    for block, suffix in ((128, ""), (triangle.LAYER_BLOCK, f"_b{triangle.LAYER_BLOCK}")):
         cases.append((f"triangle_64_512_128{suffix}", {"sink": 64, "window": 512, "last": 128, "block": block},
                       lambda block=block: (triangle.build_index(t, n, heads=h_kv, block_m=block, block_n=block, head_space="kv", device=dev),
                                            lambda q_, k_, v_, i_: triangle_attention(q_, k_, v_, i_, t.last), triangle.predicate(t, n),

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..execute import HeadGroup, StaticIndexCache, attend_boundary, attend_triangle, dense_heads, query_heads, sparse_attend
+from ..patterns import triangle
 from .plan import LayerPlan, Plan
 
-TRIANGLE_BLOCK = 64  # block_m = block_n of a TriangleMix layer's streaming index (the artifact does not store one)
 
 
 class Runner:
@@ -112,5 +112,5 @@ class Runner:
 
     def _triangle(self, params, q, k, v, scale, out, lse) -> None:
         """Every head by TriangleMix: one streaming index over the KV heads (cached per shape), one launch."""
-        g = HeadGroup("triangle", params, tuple(range(k.shape[1])), TRIANGLE_BLOCK, TRIANGLE_BLOCK)
+        g = HeadGroup("triangle", params, tuple(range(k.shape[1])), triangle.LAYER_BLOCK, triangle.LAYER_BLOCK)
         attend_triangle(q, k, v, self._static.index(g, q, k, "kv"), params, scale, out, lse)
