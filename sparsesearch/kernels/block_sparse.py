@@ -350,6 +350,17 @@ def block_sparse_attention(
     """
     check_region_maps(q, k, maps, row_pos, cu_seqlens_q is not None or cu_seqlens_k is not None)
     layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, row_pos)
+    return attend_in_layout(q, k, v, index, layout, scale=scale, heads=heads, out=out, lse=lse, config=config,
+                            row_pos=row_pos, maps=maps, lines=lines)
+
+
+def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None = None, heads: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, config: dict | None = None,
+                     row_pos: torch.Tensor | None = None, maps: RegionMaps | None = None,
+                     lines: GridLines | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_sparse_attention`` past its layout check: ``layout`` is check_layout's answer for these q/k/v
+    (and cu_seqlens, row_pos), so a caller that launches more than one kernel over the same inputs (the
+    triangle) validates them once; on varlen inputs that check syncs with the device."""
     varlen, batch, q_heads, kv_heads = layout.varlen, layout.batch, layout.q_heads, layout.kv_heads
     q_len_max, kv_len_max = (layout.q_len_max, layout.kv_len_max) if maps is None else (maps.rows, maps.keys)
     row_map, col_map = (None, None) if maps is None else (maps.row_map, maps.col_map)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..index import BlockIndex
 from ..merge import merge_partials
 from ._common import LOG2E, bhn_strides, block_d, check_layout, dot_f32, fill_splits, interpreting, load_kv_tile, online_update, sm_count
-from .block_sparse import block_sparse_attention
+from .block_sparse import attend_in_layout
 
 
 
@@ -278,9 +278,8 @@ def triangle_attention(
     pass, and a merge that writes the tail's rows over the streaming ones."""
     if last < 1:
         raise ValueError(f"last must be >= 1, got {last}")
-    out, lse = block_sparse_attention(q, k, v, stream_index, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                      out=out, lse=lse)
-    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)  # once for both passes
+    out, lse = attend_in_layout(q, k, v, stream_index, layout, scale=scale, out=out, lse=lse)
     varlen = layout.varlen
     sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     _split_rows(q, k, v, layout, last, scale, None, None, (out, lse, bhn_strides(out, varlen), sl))
