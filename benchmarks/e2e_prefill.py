@@ -41,6 +41,7 @@ Needs a CUDA GPU with room for the 8B weights (16 GB) and the activations (~110 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -107,11 +108,16 @@ def planted_vs_index(g: HeadGroup, batch: int, q_len: int, kv_len: int, space: s
     gen = torch.Generator().manual_seed(seed)
     vert = torch.cat([torch.arange(fixed), fixed + torch.randperm(kv_len - fixed, generator=gen)[: n_vert - fixed]]).sort().values
     lines = vertical_slash.VSLines(
-        vertical=vert.to(device).expand(batch, len(g.heads), -1).contiguous(),
-        slash=torch.arange(n_slash, device=device).expand(batch, len(g.heads), -1).contiguous(),
+        vertical=vert.to(device)[None, None].contiguous(), slash=torch.arange(n_slash, device=device)[None, None].contiguous(),
         q_len=q_len, kv_len=kv_len, head_space=space,
     )
-    return vertical_slash.index_from_lines(lines, block_m=g.block_m, block_n=g.block_n)
+    # Every head of the group has the same lines: one head's index, broadcast (the torch build from lines
+    # holds [QB, KB] per head; at 1M tokens and 64-blocks that is 24 GiB for a group, past the free memory).
+    one = vertical_slash.index_from_lines(lines, block_m=g.block_m, block_n=g.block_n)
+    heads = len(g.heads)
+    grown = {name: getattr(one, name).expand(1, heads, *getattr(one, name).shape[2:])
+             for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx") if getattr(one, name) is not None}
+    return dataclasses.replace(one, **grown).expand_batch(batch)
 
 
 class PlantedIndexCache(StaticIndexCache):
