@@ -28,8 +28,8 @@ shape, summed by kind), with the computed density of each pattern's indexes.
   ``vertical_size`` columns (the forced first ones plus a seeded random rest), built once per shape. The
   prefill then builds no vertical-slash index, so its total adds the estimate's measured cost
   (``index_ms``, the same builds on the same shapes).
-Long lengths. A call that takes over a second (a prefill at 512K+) is timed once, after one warm call,
-with CUDA events, instead of triton's repeated medians. From ``--compose-dense-from`` tokens (default
+Times are CUDA-event medians of repeated calls (benchmarks/timing.py ``call_ms``); a call that takes over
+a second (a prefill at 512K+) is timed once, after one warm call. From ``--compose-dense-from`` tokens (default
 512K) the SDPA stack is not run whole: at 1M one dense pass is ~9 minutes on an H200, past a device
 command's limit. Its time is composed as the attention-free pass plus layers x one layer's SDPA attention
 (transformers' own sdpa attention function on q/k/v of the prefill's shape) — every layer has the same
@@ -55,6 +55,7 @@ import triton
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from benchmarks.timing import call_ms, cuda_clock
 from benchmarks.ttft import SHAPES, prefill_fn
 from sparsesearch.artifacts import load_artifact
 from benchmarks.kernels import computed_density
@@ -154,21 +155,8 @@ def attention_split(plan, runner, batch: int, n: int, q_heads: int, kv_heads: in
 
 
 def timed_ms(fn) -> float:
-    """ms of one fn call: triton's median over repeated calls when a call takes under a second; past that
-    (a 512K+ prefill) one call with CUDA events after the warm one."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def once() -> float:
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    if once() < 1000.0:
-        return float(triton.testing.do_bench(fn, warmup=100, rep=500, return_mode="median"))
-    return once()
+    """ms of one fn call on the GPU (benchmarks/timing.py call_ms: one timed call past a second)."""
+    return call_ms(fn, cuda_clock())
 
 
 def sdpa_layer_ms(model, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) -> float:

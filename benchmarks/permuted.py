@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.timing import call_ms, cuda_clock
 from sparsesearch.index import BlockIndex, explicit_lines
 from sparsesearch.kernels import block_sparse_attention, region_maps
 from sparsesearch.kernels.region_runs import fold_runs
@@ -57,9 +58,10 @@ NAMES = ("text", "image", "video")
 
 
 def bench(fn, cuda: bool) -> float:
-    """Median ms: CUDA events (triton.testing.do_bench) on a GPU, one wall-clock call otherwise."""
+    """Median ms: CUDA events (triton.testing.do_bench) on a GPU, one wall-clock call otherwise. A call past a
+    second (SDPA at 1M: ~16 s) is timed once after a warm one (benchmarks/timing.py call_ms)."""
     if cuda:
-        return float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"))
+        return call_ms(fn, cuda_clock(), short=lambda: float(triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")))
     fn()
     start = time.perf_counter()
     fn()

@@ -46,6 +46,31 @@ def cuda_clock() -> Clock:
     return Clock(mark=mark, elapsed=lambda a, b: a.elapsed_time(b), sync=torch.cuda.synchronize)
 
 
+def call_ms(fn: Callable[[], Any], clock: Clock, long_ms: float = 1000.0, budget_ms: float = 500.0, max_calls: int = 100,
+            short: Callable[[], float] | None = None) -> float:
+    """ms of one fn call at any length: a first (warm) call is timed; past ``long_ms`` the answer is one
+    more timed call, else ``short()`` when given (e.g. triton's do_bench, L2 flushed) or the median of as
+    many more calls as fit ``budget_ms`` (3 to ``max_calls``). A 1M-token dense prefill takes minutes, so a
+    repeated median would not fit a device command (triton's do_bench alone makes eight calls). Each call
+    is synchronized alone: meant for calls of a millisecond and up."""
+
+    def once() -> float:
+        clock.sync()
+        start = clock.mark()
+        fn()
+        end = clock.mark()
+        clock.sync()
+        return clock.elapsed(start, end)
+
+    first = once()
+    if first >= long_ms:
+        return once()
+    if short is not None:
+        return short()
+    calls = min(max_calls, max(3, round(budget_ms / max(first, 1e-3))))
+    return statistics.median(once() for _ in range(calls))
+
+
 def l2_flush(bytes_: int = 256 << 20) -> Callable[[], None]:
     """A call that overwrites a CUDA buffer larger than L2 (256 MiB, as triton.testing.do_bench)."""
     import torch

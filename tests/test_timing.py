@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks.timing import Clock, cpu_clock, interleaved_ms
+from benchmarks.timing import Clock, call_ms, cpu_clock, interleaved_ms
 
 
 class FakeDevice:
@@ -96,3 +96,30 @@ def test_graphed_replays_the_captured_work():
     replay()
     replay()
     assert x.tolist() == [4.0] * 4
+
+
+def test_call_ms_times_a_long_call_once_after_the_warm_one():
+    # A 1M prefill: the warm call (compiles, 700 s) is over long_ms, so exactly one more call is timed.
+    dev = FakeDevice({"prefill": [700_000.0, 560_000.0, 1.0]})
+    assert call_ms(dev.fn("prefill"), dev.clock()) == 560_000.0
+    assert dev.calls == ["prefill"] * 2
+
+
+def test_call_ms_takes_the_median_of_short_calls_within_the_budget():
+    # A 100 ms warm call and a 500 ms budget: five more calls, their median (the warm one stays out).
+    times = [100.0, 95.0, 120.0, 80.0, 400.0, 110.0] + [1.0] * 10
+    dev = FakeDevice({"step": times})
+    assert call_ms(dev.fn("step"), dev.clock()) == 110.0
+    assert len(dev.calls) == 6
+    # At least three calls however long the budget says; never more than max_calls.
+    dev = FakeDevice({"step": [10.0, 400.0, 300.0, 500.0] + [1.0] * 10})
+    assert call_ms(dev.fn("step"), dev.clock(), budget_ms=1.0) == 400.0 and len(dev.calls) == 4
+    dev = FakeDevice({"step": [1.0] * 20})
+    call_ms(dev.fn("step"), dev.clock(), max_calls=7)
+    assert len(dev.calls) == 8
+
+
+def test_call_ms_hands_short_calls_to_the_given_timer():
+    dev = FakeDevice({"step": [5.0, 7.0]})
+    assert call_ms(dev.fn("step"), dev.clock(), short=lambda: 4.25) == 4.25
+    assert dev.calls == ["step"]  # the warm call only: the short timer makes its own
