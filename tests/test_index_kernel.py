@@ -274,13 +274,36 @@ def test_fused_vertical_slash_chunked_top_equals_torch(monkeypatch, space, verti
     assert_same_lines(got, want)
 
 
+@pytest.mark.parametrize("space", ["query", "kv"])
+def test_fused_vertical_slash_reduces_candidates_in_stages(monkeypatch, space):
+    """More candidates than one program holds (6 chunks x 20 lines = 120 > 64 lanes): a middle stage keeps
+    each group's best before the merge (1M keys at VS_TOP_LANES = 32768), still equal to the torch build."""
+    from sparsesearch.kernels import index_build
+
+    monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
+    launched = []
+
+    class Spy:  # records the grids of the middle stage's launches
+        def __getitem__(self, grid, kernel=index_build._vs_top_reduce):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(index_build, "_vs_top_reduce", Spy())
+    params = vertical_slash.VerticalSlashParams(vertical_size=20, slash_size=12, last_q=16, force_vertical=3, force_slash=3)
+    q, k = separated_qk(params, 2, 4, 2, 300, 333, space)
+    got, want = vs_pair(params, q, k, space)
+    assert launched and launched[0][2] == 2  # 120 candidates in two groups of 64, then 40 to merge
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+
+
 def test_fused_vertical_slash_refuses_too_many_candidates(monkeypatch):
     from sparsesearch.kernels import index_build
 
     monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
     params = vertical_slash.VerticalSlashParams(vertical_size=40, slash_size=8, last_q=16)
     q, k = torch.randn(1, 2, 300, DIM, device=DEVICE), torch.randn(1, 2, 333, DIM, device=DEVICE)
-    assert "top-k candidates" in vertical_slash.fused_refusal(params, q, k)
+    assert "takes at most 32" in vertical_slash.fused_refusal(params, q, k)
 
 
 def test_fused_vertical_slash_bf16_inputs():

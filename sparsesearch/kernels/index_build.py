@@ -293,8 +293,9 @@ def block_topk_index(
 # 3. ``_vs_top``: per (batch, index head, line kind): the forced lines get +inf, the exact top-k of
 #    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
 #    the prefix counts ``below[x]`` = chosen offsets < x. Past VS_TOP_LANES keys (one program's registers)
-#    in two stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``), then
-#    ``_vs_top_merge`` picks from those; ``below`` is then a search of the sorted offsets.
+#    in stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``); while those exceed
+#    one program, groups of them keep theirs (``_vs_top_reduce``; 1M keys); ``_vs_top_merge`` picks from
+#    the rest; ``below`` is then a search of the sorted offsets.
 # 4. ``_vs_index``: per (query block, batch, index head): the key blocks a chosen offset touches (two
 #    reads of ``below`` per block), full/partial by causality, and the verticals that are causal for the
 #    block's last row and outside every touched block as gathered columns.
@@ -477,6 +478,29 @@ def _vs_top_chunk(
 
 
 @triton.jit
+def _vs_top_reduce(CAND_S, CAND_I, OUT_S, OUT_I, n_cand, n_vert, n_slash, width, CHUNK: tl.constexpr):
+    """A middle stage of the chunked top-k, while a head's candidates exceed one program: each group of
+    CHUNK candidates (ascending by id) keeps its own best min(take, live) as stage 1 does for keys, in its
+    ``width`` slots of OUT (the rest id -1), ascending by id. Exact for the reason stage 1 is."""
+    bh = tl.program_id(0)
+    kind = tl.program_id(1)
+    group = tl.program_id(2)
+    lanes = tl.arange(0, CHUNK)
+    pos = group * CHUNK + lanes
+    src = (bh * 2 + kind).to(tl.int64) * n_cand
+    ids = tl.load(CAND_I + src + pos, mask=pos < n_cand, other=-1)
+    live = ids >= 0
+    scores = tl.load(CAND_S + src + pos, mask=live, other=0.0)
+    take = tl.minimum(tl.where(kind == 1, n_slash, n_vert), tl.sum(live.to(tl.int32), 0))
+    chosen = _top_take(scores, live, take, lanes)
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    base = ((bh * 2 + kind) * tl.num_programs(2) + group).to(tl.int64) * width
+    tl.store(OUT_I + base + lanes, tl.full([CHUNK], -1, tl.int32), mask=(lanes >= take) & (lanes < width))
+    tl.store(OUT_S + base + slot, scores, mask=chosen)
+    tl.store(OUT_I + base + slot, ids, mask=chosen)
+
+
+@triton.jit
 def _vs_top_merge(CAND_S, CAND_I, VERT, SLASH, n_cand, n_vert, n_slash, NC_P2: tl.constexpr):
     """Stage 2 of the chunked top-k: the take best of a head's candidates (ascending by id, so position
     order is id order and the tie rule carries over), written ascending."""
@@ -550,12 +574,13 @@ def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_
 
 def vs_top_refusal(kv_len: int, vertical_size: int, slash_size: int) -> str | None:
     """Why the top-k cannot take this many keys and lines (None: it can): one program holds VS_TOP_LANES
-    keys, or, chunked, every chunk's candidates."""
+    keys; past that, each chunked stage must at least halve the candidates, so a head keeps at most half a
+    program's lanes of lines."""
     if kv_len <= VS_TOP_LANES:
         return None
-    cands = num_blocks(kv_len, VS_TOP_LANES) * _candidates_per_chunk(vertical_size, slash_size)
-    if cands > VS_TOP_LANES:
-        return f"{kv_len} keys keep {cands} top-k candidates > {VS_TOP_LANES} (fewer lines or keys)"
+    width = _candidates_per_chunk(vertical_size, slash_size)
+    if 2 * width > VS_TOP_LANES:
+        return f"{width} lines per head over {kv_len} keys: the chunked top-k takes at most {VS_TOP_LANES // 2}"
     return None
 
 
@@ -589,8 +614,15 @@ def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: i
         sums[0], sums[1], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
         CHUNK=VS_TOP_LANES, num_warps=16,
     )
-    nc_p2 = triton.next_power_of_2(chunks * width)
-    _vs_top_merge[(bh, 2)](cand_s, cand_i, vertical, slash, chunks * width, n_vert, n_slash, NC_P2=nc_p2, num_warps=_top_warps(nc_p2))
+    n_cand = chunks * width
+    while n_cand > VS_TOP_LANES:  # 1M keys with thousands of lines: each pass keeps <= half (vs_top_refusal)
+        groups = num_blocks(n_cand, VS_TOP_LANES)
+        out_s = torch.empty(bh, 2, groups, width, dtype=torch.float32, device=sums.device)
+        out_i = torch.empty(bh, 2, groups, width, dtype=torch.int32, device=sums.device)
+        _vs_top_reduce[(bh, 2, groups)](cand_s, cand_i, out_s, out_i, n_cand, n_vert, n_slash, width, CHUNK=VS_TOP_LANES, num_warps=16)
+        cand_s, cand_i, n_cand = out_s, out_i, groups * width
+    nc_p2 = triton.next_power_of_2(n_cand)
+    _vs_top_merge[(bh, 2)](cand_s, cand_i, vertical, slash, n_cand, n_vert, n_slash, NC_P2=nc_p2, num_warps=_top_warps(nc_p2))
     # below[h, x] = chosen offsets < x, as _vs_top writes it: a search of the sorted offsets.
     points = torch.arange(kv_len + 1, device=sums.device).expand(bh, -1).contiguous()
     below.copy_(torch.searchsorted(slash.view(bh, n_slash), points))
