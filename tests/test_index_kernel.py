@@ -277,7 +277,8 @@ def test_fused_vertical_slash_chunked_top_equals_torch(monkeypatch, space, verti
 @pytest.mark.parametrize("space", ["query", "kv"])
 def test_fused_vertical_slash_reduces_candidates_in_stages(monkeypatch, space):
     """More candidates than one program holds (6 chunks x 20 lines = 120 > 64 lanes): a middle stage keeps
-    each group's best before the merge (1M keys at VS_TOP_LANES = 32768), still equal to the torch build."""
+    each group's best before the merge (128K keys and > 8K lines at VS_TOP_LANES = 32768), still equal to the
+    torch build."""
     from sparsesearch.kernels import index_build
 
     monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
@@ -353,8 +354,8 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not in
 
 @GPU
 def test_unasked_fused_build_takes_wide_key_axes():
-    """fused=None on CUDA: the fused build (static widths asked or not) at every key axis ``fusable`` takes,
-    up to MAX_KEY_BLOCKS lanes; past that the torch build, and fused=True says why it cannot."""
+    """fused=None on CUDA: the fused builds (static widths asked or not) at every key axis ``fusable`` takes,
+    up to MAX_KEY_BLOCKS; past that the torch builds, and fused=True says why it cannot."""
     from sparsesearch.kernels.index_build import MAX_KEY_BLOCKS
 
     q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, MAX_KEY_BLOCKS * 16, 16, seed=1).cuda()
@@ -367,7 +368,8 @@ def test_unasked_fused_build_takes_wide_key_axes():
     with pytest.raises(ValueError, match=f"{MAX_KEY_BLOCKS + 1} key blocks"):
         block_topk.build_index(params, q, long_k, fused=True, **kw)
     vs = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=16)
-    assert vertical_slash.build_index(vs, q, long_k, **kw).meta["fused"]  # vertical-slash: chunked past its lanes
+    assert vertical_slash.build_index(vs, q, k, **kw).meta["fused"]  # 2048 key blocks: a chunked top-k
+    assert "fused" not in vertical_slash.build_index(vs, q, long_k, **kw).meta  # static widths stop there too
 
 
 @GPU

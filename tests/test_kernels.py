@@ -379,3 +379,34 @@ def test_varlen_needs_both_cu_seqlens_in_every_launcher():
         tail_attention(q, q, q, 4, cu_seqlens_q=cu)
     with pytest.raises(ValueError, match="needs both cu_seqlens_q and cu_seqlens_k"):
         block_sparse_attention(q, q, q, random_index(1, 2, 10, 10, 16, 16, device=DEVICE), cu_seqlens_k=cu)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < 40 << 30,
+                    reason="1M tokens x 32 heads: a CUDA GPU with 40 GiB free")
+def test_long_context_offsets_past_int32():
+    """q [1, 32, 2^20, 128] contiguous: a head's offset (h x 2^27 elements) passes int32 from head 16 on. The
+    last heads' rows from the full launch equal a launch on just their slice (offsets small there); an
+    int32 product wrapped to a negative address faulted at 1M (permuted.py, H200)."""
+    from sparsesearch.patterns import ashape, triangle
+
+    n, d = 1 << 20, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, n, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 8, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    q_tail, k_tail, v_tail = (t[:, -t.shape[1] // 8:].contiguous() for t in (q, k, v))  # heads 28-31, KV head 7
+    a = ashape.build_index(ashape.AShapeParams(sink=64, local=256), n, heads=8, block_m=128, block_n=64, head_space="kv", device="cuda")
+    a_tail = ashape.build_index(ashape.AShapeParams(sink=64, local=256), n, heads=1, block_m=128, block_n=64, head_space="kv", device="cuda")
+    out, lse = block_sparse_attention(q, k, v, a)
+    want, want_lse = block_sparse_attention(q_tail, k_tail, v_tail, a_tail)
+    assert torch.equal(out[:, 28:], want) and torch.equal(lse[:, 28:], want_lse)
+    params = triangle.TriangleParams(sink=64, window=256, last=128)
+    t = triangle.build_index(params, n, heads=8, block_m=64, block_n=64, head_space="kv", device="cuda")
+    t_tail = triangle.build_index(params, n, heads=1, block_m=64, block_n=64, head_space="kv", device="cuda")
+    out, lse = triangle_attention(q, k, v, t, params.last, out=out, lse=lse)
+    want, want_lse = triangle_attention(q_tail, k_tail, v_tail, t_tail, params.last)
+    stream = slice(-256, -128)  # streaming rows: the same programs, bit for bit
+    assert torch.equal(out[:, 28:, stream], want[:, :, stream]) and torch.equal(lse[:, 28:, stream], want_lse[:, :, stream])
+    # The dense last rows: split over keys by the launch's size (32 heads vs 4), so merged in another order.
+    torch.testing.assert_close(out[:, 28:, -128:], want[:, :, -128:], atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse[:, 28:, -128:], want_lse[:, :, -128:], atol=1e-4, rtol=0)

@@ -116,22 +116,22 @@ def _block_sparse_fwd(
         # launcher's split-K pass over all its keys writes it.
         line_row = ((offs_m + g_stride - g_row_phase) % g_stride == 0) & (g_row_lines > 0)
         store_ok = row_ok & (line_row == 0)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + q_rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + q_rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start.to(tl.int64) * stride_vn
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     never = offs_t < 0  # placeholder column mask for unmasked tiles
-    cnt_off = b * stride_cb + idx_h * stride_ch + m_block * stride_cm
+    cnt_off = b.to(tl.int64) * stride_cb + idx_h.to(tl.int64) * stride_ch + m_block * stride_cm
     SPLIT: tl.constexpr = BLOCK_N // TILE_N
 
     n_full = tl.load(FULL_CNT + cnt_off)
-    full_base = FULL_IDX + b * stride_fb + idx_h * stride_fh + m_block * stride_fm
+    full_base = FULL_IDX + b.to(tl.int64) * stride_fb + idx_h.to(tl.int64) * stride_fh + m_block * stride_fm
     n_part = tl.load(PART_CNT + cnt_off)
-    part_base = PART_IDX + b * stride_pb + idx_h * stride_ph + m_block * stride_pm
+    part_base = PART_IDX + b.to(tl.int64) * stride_pb + idx_h.to(tl.int64) * stride_ph + m_block * stride_pm
     if GRID_COLS:
         # Vertical-line keys below col_hi come as strided columns; partial blocks mask them.
         n_line = tl.load(LINE_CNT + m_block)
@@ -141,7 +141,7 @@ def _block_sparse_fwd(
         # Contiguous dense K/V seen as [rows, D]: each full tile is one bulk (TMA) copy of TILE_N whole rows,
         # issued without per-thread address math; measured on an H200 at 32K: +8% dense, +2-6% at
         # 5-25% block top-k (benchmarks/RESULTS.md, launch tuning).
-        row0 = (b.to(tl.int64) * stride_kb + kv_h * stride_kh) // stride_kn
+        row0 = (b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh) // stride_kn
         for t in range(0, n_full * SPLIT):
             entry = tl.load(full_base + t // SPLIT)
             if FULL_STARTS:
@@ -187,7 +187,7 @@ def _block_sparse_fwd(
     # Gathered columns (vertical lines outside every listed block), TILE_N at a time.
     if HAS_COLS:
         n_col = tl.load(COL_CNT + cnt_off)
-        col_base = COL_IDX + b * stride_gb + idx_h * stride_gh + m_block * stride_gm
+        col_base = COL_IDX + b.to(tl.int64) * stride_gb + idx_h.to(tl.int64) * stride_gh + m_block * stride_gm
         # Each tile's ids are loaded one step ahead, so its K/V gathers do not wait on a dependent id load
         # (H200, 32K, 4000 vertical lines: efficiency 0.47 -> 0.54; benchmarks/results/tune/).
         cols_next = tl.load(col_base + offs_t, mask=offs_t < n_col, other=0)
@@ -224,9 +224,9 @@ def _block_sparse_fwd(
         o_rows = q_rows  # written in original positions: no un-permute pass
     else:
         o_rows = offs_m
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h * stride_oh + (q_start + o_rows).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + (q_start + o_rows).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=store_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h * stride_lh + (q_start + o_rows).to(tl.int64) * stride_ln
+    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + o_rows).to(tl.int64) * stride_ln
     tl.store(l_ptrs, lse, mask=store_ok)
 
 

@@ -294,7 +294,7 @@ def block_topk_index(
 #    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
 #    the prefix counts ``below[x]`` = chosen offsets < x. Past VS_TOP_LANES keys (one program's registers)
 #    in stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``); while those exceed
-#    one program, groups of them keep theirs (``_vs_top_reduce``; 1M keys); ``_vs_top_merge`` picks from
+#    one program, groups of them keep theirs (``_vs_top_reduce``); ``_vs_top_merge`` picks from
 #    the rest; ``below`` is then a search of the sorted offsets.
 # 4. ``_vs_index``: per (query block, batch, index head): the key blocks a chosen offset touches (two
 #    reads of ``below`` per block), full/partial by causality, and the verticals that are causal for the
@@ -615,7 +615,7 @@ def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: i
         CHUNK=VS_TOP_LANES, num_warps=16,
     )
     n_cand = chunks * width
-    while n_cand > VS_TOP_LANES:  # 1M keys with thousands of lines: each pass keeps <= half (vs_top_refusal)
+    while n_cand > VS_TOP_LANES:  # e.g. 128K keys with > 8K lines: each pass keeps <= half (vs_top_refusal)
         groups = num_blocks(n_cand, VS_TOP_LANES)
         out_s = torch.empty(bh, 2, groups, width, dtype=torch.float32, device=sums.device)
         out_i = torch.empty(bh, 2, groups, width, dtype=torch.int32, device=sums.device)

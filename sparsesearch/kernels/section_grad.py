@@ -128,15 +128,15 @@ def _section_sums_kernel(
     row_ok = offs_m < seq_len
     rows64 = offs_m.to(tl.int64)
     row_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_mask, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + rows64[:, None] * stride_dn + offs_d[None, :], mask=row_mask, other=0.0)
-    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + rows64 * stride_ln, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows64[:, None] * stride_qn + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + rows64[:, None] * stride_dn + offs_d[None, :], mask=row_mask, other=0.0)
+    lse2 = tl.load(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + rows64 * stride_ln, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     if DOT_F32:
         q = q.to(tl.float32)
     if G_F32:
         do = do.to(tl.float32)
-    k_base = K + b * stride_kb + kv_h * stride_kh
-    v_base = V + b * stride_vb + kv_h * stride_vh
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
 
     g_stream = tl.zeros([BLOCK_M], dtype=tl.float32)
     g_middle = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -74,15 +74,15 @@ def _tail_split_fwd(
         return  # no row of this tile is in the tail: never read
     if lo >= hi:
         # No key in this split (a shorter sequence of a varlen batch): lse -inf, so the merge weighs it 0.
-        tl.store(PL + split * stride_ls + b * stride_lb + slot * stride_lh + offs_r, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+        tl.store(PL + split.to(tl.int64) * stride_ls + b * stride_lb + slot * stride_lh + offs_r, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
         return
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + kv_h * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + b.to(tl.int64) * stride_vb + kv_h * stride_vh + k_start.to(tl.int64) * stride_vn
+    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -109,9 +109,9 @@ def _tail_split_fwd(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = PO + split * stride_os + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
+    o_ptrs = PO + split.to(tl.int64) * stride_os + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(PL + split * stride_ls + b * stride_lb + slot * stride_lh + offs_r, lse, mask=row_ok)
+    tl.store(PL + split.to(tl.int64) * stride_ls + b * stride_lb + slot * stride_lh + offs_r, lse, mask=row_ok)
 
 
 @triton.jit
@@ -156,18 +156,21 @@ def _merge_rows_fwd(
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     o_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    # Stepped by pointer (64-bit) per split: a grid head's many line rows can put split * stride_os past int32.
+    o_split = PO + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :]
     for split in range(0, splits):
         w = tl.exp(tl.load(l_base + split * stride_ls, mask=row_ok, other=float("-inf")) - m_safe)
-        o = tl.load(PO + split * stride_os + b * stride_ob + slot * stride_oh + offs_r[:, None] * stride_or + offs_d[None, :], mask=o_ok, other=0.0)
+        o = tl.load(o_split, mask=o_ok, other=0.0)
+        o_split += stride_os
         # An empty split's partial output is never written: weigh it out instead of multiplying 0 by it.
         acc += tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
         den += w
     empty = den == 0.0
     out = acc / tl.where(empty, 1.0, den)[:, None]
     lse = tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, den)))
-    o_ptrs = O + b.to(tl.int64) * stride_qb + h * stride_qh + (q_start + rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    o_ptrs = O + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
-    tl.store(LSE + b.to(tl.int64) * stride_eb + h * stride_eh + (q_start + rows).to(tl.int64) * stride_en, lse, mask=row_ok)
+    tl.store(LSE + b.to(tl.int64) * stride_eb + h.to(tl.int64) * stride_eh + (q_start + rows).to(tl.int64) * stride_en, lse, mask=row_ok)
 
 
 def _num_splits(kv_len: int, programs: int, tile_n: int) -> int:
