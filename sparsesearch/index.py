@@ -285,6 +285,16 @@ def from_block_masks(
     )
 
 
+def select_q_blocks(index: BlockIndex, q_blocks: torch.Tensor) -> BlockIndex:
+    """The index of the query blocks ``q_blocks`` (int64 [R], repeats allowed), in that order: [B, H, R, *]."""
+    picked = {
+        name: getattr(index, name).index_select(2, q_blocks)
+        for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
+        if getattr(index, name) is not None
+    }
+    return replace(index, **picked)
+
+
 def to_block_masks(index: BlockIndex, kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``from_block_masks`` for the block part: (full, partial) bool [B, H, QB, KB]."""
     return _scatter(index.full_count, index.full_idx, kv_blocks), _scatter(index.partial_count, index.partial_idx, kv_blocks)
@@ -374,18 +384,22 @@ def validate(index: BlockIndex, q_lens: list[int] | int, kv_lens: list[int] | in
             raise ValueError("a gathered column lies inside a listed key block")
 
 
-def stack(indices: list[BlockIndex]) -> BlockIndex:
-    """Stack per-sequence indices (each batch 1, e.g. one per varlen sequence) into one of batch len(indices).
+def stack(indices: list[BlockIndex], dim: int = 0) -> BlockIndex:
+    """Stack indices along the batch (dim 0: each batch 1, e.g. one per varlen sequence) or the heads (dim 1:
+    e.g. one build per KV head, when a whole-layer build would not fit in memory).
 
     Query blocks and list widths are padded to the largest; padded entries have count 0.
     """
     if not indices:
         raise ValueError("stack needs at least one index")
+    if dim not in (0, 1):
+        raise ValueError(f"stack dim must be 0 (batch) or 1 (heads), got {dim}")
     first = indices[0]
+    other_dim = "heads" if dim == 0 else "batch"
     for other in indices[1:]:
-        same = (other.block_m, other.block_n, other.head_space, other.heads, other.window, other.sink)
-        if same != (first.block_m, first.block_n, first.head_space, first.heads, first.window, first.sink):
-            raise ValueError(f"cannot stack indices with different blocks/heads/masks: {same}")
+        same = (other.block_m, other.block_n, other.head_space, getattr(other, other_dim), other.window, other.sink)
+        if same != (first.block_m, first.block_n, first.head_space, getattr(first, other_dim), first.window, first.sink):
+            raise ValueError(f"cannot stack indices with different blocks/{other_dim}/masks: {same}")
         if (other.col_count is None) != (first.col_count is None):
             raise ValueError("cannot stack indices with and without gathered columns")
     q_blocks = max(i.q_blocks for i in indices)
@@ -403,7 +417,7 @@ def stack(indices: list[BlockIndex]) -> BlockIndex:
         if getattr(first, name) is None:
             return None
         width = max(getattr(i, name).shape[-1] for i in indices) if is_list else None
-        return torch.cat([pad(getattr(i, name), width) for i in indices])
+        return torch.cat([pad(getattr(i, name), width) for i in indices], dim=dim)
 
     return replace(
         first,

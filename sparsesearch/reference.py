@@ -63,6 +63,42 @@ def masked_attention(
     return out, lse
 
 
+def admitted_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    mask_fn: MaskFn,
+    *,
+    scale: float | None = None,
+    chunk: int = 8,
+) -> torch.Tensor:
+    """Recall of a sparse pattern: the share of each row's causal softmax mass on its admitted keys.
+
+    q [B, Hq, Nq, D], k [B, Hkv, Nk, D], rows int64 [R] (query rows to score), mask_fn as for
+    ``masked_attention``. Returns float32 [B, Hq, R] in [0, 1]. Scores are float32 for ``chunk`` rows at a
+    time against every key ([B, Hq, chunk, Nk]); a GQA group shares its K rows through a view, so K is
+    never repeated (at 1M keys a repeated float32 K is 16 GiB).
+    """
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    causal_fn = causal_mask_fn(q_len, kv_len)
+    k32 = k.float()
+    out = torch.empty(batch, q_heads, rows.numel(), dtype=torch.float32, device=q.device)
+    for start in range(0, rows.numel(), chunk):
+        part = rows[start: start + chunk]
+        qg = q[:, :, part].float().view(batch, kv_heads, group * part.numel(), dim)
+        scores = (qg @ k32.transpose(-1, -2) * scale).view(batch, q_heads, part.numel(), kv_len)
+        causal = causal_fn(part)
+        total = torch.logsumexp(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        kept = torch.logsumexp(scores.masked_fill(~(mask_fn(part) & causal), float("-inf")), dim=-1)
+        out[:, :, start: start + part.numel()] = torch.exp(kept - total)
+    return out
+
+
 def causal_mask_fn(q_len: int, kv_len: int, device: torch.device | str | None = None) -> MaskFn:
     offset = kv_len - q_len
 
@@ -97,16 +133,16 @@ def index_mask_fn(index: BlockIndex, q_len: int, kv_len: int, group: int = 1, ro
     """
     offset = kv_len - q_len
     kv_blocks = num_blocks(kv_len, index.block_n)
-    from .index import to_block_masks, to_column_mask  # local: keeps the import list of the oracle short
-
-    full, partial = to_block_masks(index, kv_blocks)
-    columns = to_column_mask(index, kv_len)
-    if index.head_space == "kv" and group > 1:
-        full, partial, columns = (t.repeat_interleave(group, dim=1) for t in (full, partial, columns))
+    from .index import select_q_blocks, to_block_masks, to_column_mask  # local: keeps the oracle's imports short
 
     def mask(rows: torch.Tensor) -> torch.Tensor:
         device = rows.device
         q_block = rows // index.block_m
+        # Only the rows' query blocks are expanded to keys: [B, H, R, Nk], never [B, H, QB, Nk] (at 1M keys
+        # the whole column mask would be terabytes).
+        sub = select_q_blocks(index, q_block.to(index.device))
+        full, partial = (t.to(device) for t in to_block_masks(sub, kv_blocks))
+        in_cols = to_column_mask(sub, kv_len).to(device)
         cols = torch.arange(kv_len, device=device)
         k_block = cols // index.block_n
         pos = (rows + offset if row_pos is None else row_pos.to(device)[rows])[:, None]
@@ -114,10 +150,10 @@ def index_mask_fn(index: BlockIndex, q_len: int, kv_len: int, group: int = 1, ro
         token = torch.ones_like(causal)
         if index.window >= 0:
             token = (pos - cols[None, :] < index.window) | (cols[None, :] < index.sink)
-        in_full = full[:, :, q_block][..., k_block]
-        in_partial = partial[:, :, q_block][..., k_block] & token
-        in_cols = columns[:, :, q_block]
-        return (in_full | in_partial | in_cols) & causal
+        admitted = full[..., k_block] | (partial[..., k_block] & token) | in_cols
+        if index.head_space == "kv" and group > 1:
+            admitted = admitted.repeat_interleave(group, dim=1)
+        return admitted & causal
 
     return mask
 
