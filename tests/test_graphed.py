@@ -51,9 +51,12 @@ def test_static_widths_list_what_the_synced_build_lists(name, params, space):
     want = module.build_index(params, qs, ks, **kw)
     got = module.build_index(params, qs, ks, static_widths=True, **kw)
     assert_same_lists(got, want)
-    assert got.full_idx.shape[-1] == got.partial_idx.shape[-1] == -(-200 // 32)  # as wide as the key blocks
-    if name == "vertical_slash":
-        assert got.col_idx.shape[-1] == 24  # as wide as the verticals
+    if name == "vertical_slash":  # as wide as the lines can reach, and the verticals
+        widths = vertical_slash.list_widths(params.slash_size, -(-200 // 32), 16, 32)
+        assert (got.full_idx.shape[-1], got.partial_idx.shape[-1]) == widths
+        assert got.col_idx.shape[-1] == 24
+    else:
+        assert got.full_idx.shape[-1] == got.partial_idx.shape[-1] == -(-200 // 32)  # as wide as the key blocks
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -275,6 +275,42 @@ def test_fused_vertical_slash_chunked_top_equals_torch(monkeypatch, space, verti
 
 
 @pytest.mark.parametrize("space", ["query", "kv"])
+@pytest.mark.parametrize("block_m, block_n, slash", [(16, 32, 3), (32, 16, 2), (64, 64, 30)])
+def test_fused_vertical_slash_walks_tiles_and_merges_stats(monkeypatch, space, block_m, block_n, slash):
+    """Long key axes: the index pass walks key blocks and verticals a tile at a time, and the row stats are
+    merged in their own pass (tiles of 4 and a merge past 1 chunk here stand in for VS_INDEX_TILE = 1024
+    and VS_INLINE_CHUNKS = 16); lists at their narrow static widths, equal to the torch build."""
+    from sparsesearch.kernels import index_build
+
+    monkeypatch.setattr(index_build, "VS_INDEX_TILE", 4)
+    monkeypatch.setattr(index_build, "VS_INLINE_CHUNKS", 0)
+    params = vertical_slash.VerticalSlashParams(vertical_size=10, slash_size=slash, last_q=16, force_vertical=2, force_slash=1)
+    q, k = separated_qk(params, 2, 4, 2, 300, 333, space)
+    got, want = vs_pair(params, q, k, space, block_m, block_n)
+    assert_same_index(got, want)
+    assert_same_lines(got, want)
+    kv_blocks = -(-333 // block_n)
+    assert (got.full_idx.shape[-1], got.partial_idx.shape[-1]) == vertical_slash.list_widths(slash, kv_blocks, block_m, block_n)
+    assert got.partial_idx.shape[-1] < kv_blocks
+
+
+def test_list_widths_bound_every_count():
+    """The static widths hold every query block's lists: random lines over shapes and offsets."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        block_m, block_n = (16, 32, 64)[torch.randint(3, (1,), generator=gen)], (16, 32, 64)[torch.randint(3, (1,), generator=gen)]
+        kv_len = int(torch.randint(64, 600, (1,), generator=gen))
+        q_len = int(torch.randint(1, kv_len + 1, (1,), generator=gen))
+        n_slash = int(torch.randint(1, 12, (1,), generator=gen))
+        slash = torch.randperm(kv_len, generator=gen)[:n_slash].sort().values.view(1, 1, -1)
+        vertical = torch.randperm(kv_len, generator=gen)[:5].sort().values.view(1, 1, -1)
+        lines = vertical_slash.VSLines(vertical, slash, q_len, kv_len, "query")
+        index = vertical_slash.index_from_lines(lines, block_m=block_m, block_n=block_n)
+        full_w, part_w = vertical_slash.list_widths(n_slash, -(-kv_len // block_n), block_m, block_n)
+        assert int(index.full_count.max()) <= full_w and int(index.partial_count.max()) <= part_w
+
+
+@pytest.mark.parametrize("space", ["query", "kv"])
 def test_fused_vertical_slash_reduces_candidates_in_stages(monkeypatch, space):
     """More candidates than one program holds (6 chunks x 20 lines = 120 > 64 lanes): a middle stage keeps
     each group's best before the merge (128K keys and > 8K lines at VS_TOP_LANES = 32768), still equal to the
@@ -354,8 +390,9 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not in
 
 @GPU
 def test_unasked_fused_build_takes_wide_key_axes():
-    """fused=None on CUDA: the fused builds (static widths asked or not) at every key axis ``fusable`` takes,
-    up to MAX_KEY_BLOCKS; past that the torch builds, and fused=True says why it cannot."""
+    """fused=None on CUDA: the fused builds (static widths asked or not) at every key axis they take: block
+    top-k up to MAX_KEY_BLOCKS (past that the torch build, and fused=True says why it cannot), vertical-slash
+    at any length."""
     from sparsesearch.kernels.index_build import MAX_KEY_BLOCKS
 
     q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, MAX_KEY_BLOCKS * 16, 16, seed=1).cuda()
@@ -369,7 +406,10 @@ def test_unasked_fused_build_takes_wide_key_axes():
         block_topk.build_index(params, q, long_k, fused=True, **kw)
     vs = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=16)
     assert vertical_slash.build_index(vs, q, k, **kw).meta["fused"]  # 2048 key blocks: a chunked top-k
-    assert "fused" not in vertical_slash.build_index(vs, q, long_k, **kw).meta  # static widths stop there too
+    # Vertical-slash walks key blocks in tiles at narrow widths: no key-axis limit.
+    got = vertical_slash.build_index(vs, q, long_k, static_widths=True, **kw)
+    assert got.meta["fused"] and got.full_idx.shape[-1] == 8 * 2
+    assert_same_index(got, vertical_slash.build_index(vs, q, long_k, static_widths=True, fused=False, **kw))
 
 
 @GPU

@@ -37,8 +37,8 @@ import triton.language as tl
 from ..index import BlockIndex, num_blocks
 from ._common import SUPPORTED_DTYPES, block_d, dot_f32, interpreting
 
-# Longest key axis, in key blocks, a select program holds in registers (128K keys at block_n 64); past it
-# the torch build runs. Issue 14 §2's target is the short contexts, KB <= 512.
+# Longest key axis, in key blocks, a block top-k select program holds in registers (128K keys at block_n
+# 64); past it the torch build runs. The vertical-slash build walks key blocks a tile at a time: no limit.
 MAX_KEY_BLOCKS = 2048
 
 
@@ -203,9 +203,15 @@ def fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.Tenso
         return f"q is on {q.device}, k on {k.device}"
     if q.shape[-1] > 256:
         return f"head_dim {q.shape[-1]} > 256"
-    if num_blocks(k.shape[2], block_n) > MAX_KEY_BLOCKS:
-        return f"{num_blocks(k.shape[2], block_n)} key blocks > {MAX_KEY_BLOCKS}"
     return None
+
+
+def topk_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.Tensor | None) -> str | None:
+    """``fusable`` plus block top-k's limit: its select program holds every key block in registers."""
+    why = fusable(q, k, block_n, row_pos)
+    if why is None and num_blocks(k.shape[2], block_n) > MAX_KEY_BLOCKS:
+        why = f"{num_blocks(k.shape[2], block_n)} key blocks > {MAX_KEY_BLOCKS}"
+    return why
 
 
 def wants_fused(fused: bool | None, refusal, q: torch.Tensor) -> bool:
@@ -304,6 +310,8 @@ VS_TILE = 64  # keys per window of _vs_sums (and per step of _vs_row_stats)
 VS_CHUNK = 1024  # keys per _vs_row_stats program
 MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 128] probabilities); more: the torch build
 VS_TOP_LANES = 32768  # keys (or candidates) a _vs_top program holds in registers
+VS_INDEX_TILE = 1024  # key blocks (or verticals) a _vs_index program holds per step
+VS_INLINE_CHUNKS = 16  # up to this many row-stat chunks (16K keys) _vs_sums merges them itself; more: a merge pass
 
 
 @triton.jit
@@ -364,11 +372,33 @@ def _vs_row_stats(
 
 
 @triton.jit
+def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.constexpr):
+    """One query head's per-chunk softmax stats [chunks, R_P2] merged into one (max, sum) per estimate row,
+    so every _vs_sums window loads R_P2 values, not chunks x R_P2 (1024 x 64 at 1M keys: past registers)."""
+    bh = tl.program_id(0)
+    r = tl.arange(0, R_P2)
+    m = tl.full([R_P2], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([R_P2], dtype=tl.float32)
+    for start in tl.range(0, chunks, C_TILE):
+        c = start + tl.arange(0, C_TILE)
+        stat = (bh.to(tl.int64) * chunks + c[:, None]) * R_P2 + r[None, :]
+        m_c = tl.load(M + stat, mask=(c < chunks)[:, None], other=float("-inf"))
+        l_c = tl.load(L + stat, mask=(c < chunks)[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_c, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp(m - m_safe) + tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
+        m = m_new
+    tl.store(M_OUT + bh.to(tl.int64) * R_P2 + r, m)
+    tl.store(L_OUT + bh.to(tl.int64) * R_P2 + r, l)
+
+
+@triton.jit
 def _vs_sums(
     Q, K, M, L, COLS, DIAG, q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
-    TILE: tl.constexpr, WIN: tl.constexpr, CHUNKS_P2: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    TILE: tl.constexpr, WIN: tl.constexpr, CHUNKS_P2: tl.constexpr, MERGED: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Window p: keys [A, A + WIN) with A = p * TILE - shift; it owns the column sums of keys [A, A + TILE)
     and the diagonal sums of offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1, whose keys
@@ -396,13 +426,17 @@ def _vs_sums(
     total = tl.zeros([R_P2, WIN], dtype=tl.float32)
     for g in tl.static_range(GROUP if PER_KV else 1):
         qh = h * GROUP + g if PER_KV else h
-        # Merge the per-chunk softmax stats of this head's rows.
-        stat = ((b * q_heads + qh).to(tl.int64) * chunks + c[:, None]) * R_P2 + r[None, :]
-        m_c = tl.load(M + stat, mask=(c < chunks)[:, None], other=float("-inf"))
-        l_c = tl.load(L + stat, mask=(c < chunks)[:, None], other=0.0)
-        m = tl.max(m_c, 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
+        if MERGED:  # one (max, sum) per row from _vs_stats_merge
+            m = tl.load(M + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l = tl.load(L + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
+        else:  # few chunks: merge this head's per-chunk stats here, saving a launch
+            stat = ((b * q_heads + qh).to(tl.int64) * chunks + c[:, None]) * R_P2 + r[None, :]
+            m_c = tl.load(M + stat, mask=(c < chunks)[:, None], other=float("-inf"))
+            l_c = tl.load(L + stat, mask=(c < chunks)[:, None], other=0.0)
+            m = tl.max(m_c, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
         q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
         s = _dot(q, kt, DOT_F32, IEEE) * scale
         total += tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
@@ -533,29 +567,63 @@ def _vs_touched(below, kb, p0, p1, kv_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _store_run(idx_ptr, n, chosen, values):
+    """Append ``values`` where ``chosen`` to a list holding ``n`` entries; returns the new count."""
+    slot = n + tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(idx_ptr + slot, values.to(idx_ptr.dtype.element_ty), mask=chosen)
+    return n + tl.sum(chosen.to(tl.int32), 0)
+
+
+@triton.jit
+def _zero_tail(idx_ptr, n, width, TILE: tl.constexpr):
+    """0 into idx_ptr[n:width] (the padding the torch static-width build leaves)."""
+    for start in tl.range(n // TILE * TILE, width, TILE):
+        lanes = start + tl.arange(0, TILE)
+        tl.store(idx_ptr + lanes, tl.zeros([TILE], dtype=idx_ptr.dtype.element_ty), mask=(lanes >= n) & (lanes < width))
+
+
+@triton.jit
 def _vs_index(
     VERT, BELOW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
-    q_len, kv_len, kv_blocks, n_vert,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_P2: tl.constexpr, V_P2: tl.constexpr,
+    q_len, kv_len, kv_blocks, n_vert, full_w, part_w,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr, V_TILE: tl.constexpr,
 ):
+    """One query block's lists, walking its causal key blocks and then the verticals a tile at a time
+    (1M keys are 16K key blocks and up to 16K verticals: more than one program's registers), each list
+    at its static width (``vertical_slash.list_widths``; the verticals)."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     p0 = qb * BLOCK_M + kv_len - q_len
     p1 = tl.minimum(q_len, (qb + 1) * BLOCK_M) - 1 + kv_len - q_len
     below = BELOW + bh.to(tl.int64) * (kv_len + 1)
-    kb = tl.arange(0, KB_P2)
-    kb_ok = kb < kv_blocks
-    touched = _vs_touched(below, tl.where(kb_ok, kb, 0), p0, p1, kv_len, BLOCK_N) & kb_ok
-    top_key = (kb + 1) * BLOCK_N - 1
-    is_full = (top_key <= p0) & (top_key < kv_len)
     row = bh.to(tl.int64) * tl.num_programs(0) + qb
-    _store_list(FULL_CNT + row, FULL_IDX + row * kv_blocks, touched & is_full, kb, kb, kb_ok)
-    _store_list(PART_CNT + row, PART_IDX + row * kv_blocks, touched & ~is_full, kb, kb, kb_ok)
-    lanes = tl.arange(0, V_P2)
-    live = lanes < n_vert
-    vert = tl.load(VERT + bh.to(tl.int64) * n_vert + lanes, mask=live, other=0).to(tl.int32)
-    covered = _vs_touched(below, vert // BLOCK_N, p0, p1, kv_len, BLOCK_N)
-    _store_list(COL_CNT + row, COL_IDX + row * n_vert, live & (vert <= p1) & ~covered, vert, lanes, live)
+    full_ptr = FULL_IDX + row * full_w
+    part_ptr = PART_IDX + row * part_w
+    causal_blocks = tl.minimum(kv_blocks, p1 // BLOCK_N + 1)
+    n_full = 0
+    n_part = 0
+    for start in tl.range(0, causal_blocks, KB_TILE):
+        kb = start + tl.arange(0, KB_TILE)
+        kb_ok = kb < causal_blocks
+        touched = _vs_touched(below, tl.where(kb_ok, kb, 0), p0, p1, kv_len, BLOCK_N) & kb_ok
+        top_key = (kb + 1) * BLOCK_N - 1
+        is_full = (top_key <= p0) & (top_key < kv_len)
+        n_full = _store_run(full_ptr, n_full, touched & is_full, kb)
+        n_part = _store_run(part_ptr, n_part, touched & ~is_full, kb)
+    tl.store(FULL_CNT + row, n_full)
+    tl.store(PART_CNT + row, n_part)
+    _zero_tail(full_ptr, n_full, full_w, KB_TILE)
+    _zero_tail(part_ptr, n_part, part_w, KB_TILE)
+    col_ptr = COL_IDX + row * n_vert
+    n_col = 0
+    for start in tl.range(0, n_vert, V_TILE):
+        lanes = start + tl.arange(0, V_TILE)
+        live = lanes < n_vert
+        vert = tl.load(VERT + bh.to(tl.int64) * n_vert + lanes, mask=live, other=0).to(tl.int32)
+        covered = _vs_touched(below, vert // BLOCK_N, p0, p1, kv_len, BLOCK_N)
+        n_col = _store_run(col_ptr, n_col, live & (vert <= p1) & ~covered, vert)
+    tl.store(COL_CNT + row, n_col)
+    _zero_tail(col_ptr, n_col, n_vert, V_TILE)
 
 
 def vs_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, last_q: int, row_pos: torch.Tensor | None,
@@ -643,7 +711,7 @@ def vertical_slash_index(
     scale: float | None = None,
 ) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
     """Vertical-slash index of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (Nq <= Nk, bottom-right causal) with static
-    widths (KB block lists, min(vertical_size, Nk) columns), and its lines: vertical ids int64 [B, H, V] and
+    widths (block lists as wide as ``vertical_slash.list_widths``, min(vertical_size, Nk) columns), and its lines: vertical ids int64 [B, H, V] and
     slash offsets int64 [B, H, S], ascending. force_*: the forced counts (``vertical_slash.forced``). Equal
     to ``vertical_slash.build_index(..., static_widths=True)`` where no two column or diagonal sums of a head
     are within rounding at the top-k boundary. Inputs are checked by the caller (``vs_fusable``)."""
@@ -662,13 +730,19 @@ def vertical_slash_index(
         q, k, stats[0], stats[1], q_len, kv_len, rows, q_heads, scale, *q.stride()[:3], *k.stride()[:3],
         GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE, CHUNK=VS_CHUNK, **dot, num_warps=4,
     )
+    merged = chunks > VS_INLINE_CHUNKS
+    if merged:
+        rows_stats = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
+        _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], rows_stats[0], rows_stats[1], chunks, R_P2=r_p2, C_TILE=16, num_warps=4)
+        stats = rows_stats
     sums = torch.empty(2, batch * heads, kv_len, dtype=torch.float32, device=device)
     shift = num_blocks(r_p2 - 1, VS_TILE) * VS_TILE  # windows start left of key 0 so offsets up to kv_len - 1 are owned
     _vs_sums[(num_blocks(kv_len + shift, VS_TILE), batch * heads)](
         q, k, stats[0], stats[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE,
-        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=triton.next_power_of_2(chunks), **dot,
+        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=1 if merged else triton.next_power_of_2(chunks),
+        MERGED=merged, **dot,
         num_warps=4 if r_p2 <= 32 else 8,  # [64, 128] probabilities + their skewed gather at last_q 64
     )
     n_vert, n_slash = min(vertical_size, kv_len), min(slash_size, kv_len)
@@ -676,14 +750,18 @@ def vertical_slash_index(
     slash = torch.empty(batch, heads, n_slash, dtype=torch.int64, device=device)
     below = torch.empty(batch * heads, kv_len + 1, dtype=torch.int32, device=device)
     _vs_lines(sums, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash)
+    from ..patterns.vertical_slash import list_widths  # local: the pattern module imports this one lazily
+
     q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
+    full_w, part_w = list_widths(n_slash, kv_blocks, block_m, block_n)
     counts = torch.empty(3, batch, heads, q_blocks, dtype=torch.int32, device=device)
-    lists = torch.empty(2, batch, heads, q_blocks, kv_blocks, dtype=torch.int32, device=device)
+    full_idx = torch.empty(batch, heads, q_blocks, full_w, dtype=torch.int32, device=device)
+    part_idx = torch.empty(batch, heads, q_blocks, part_w, dtype=torch.int32, device=device)
     col_idx = torch.empty(batch, heads, q_blocks, n_vert, dtype=torch.int32, device=device)
     _vs_index[(q_blocks, batch * heads)](
-        vertical, below, counts[0], lists[0], counts[1], lists[1], counts[2], col_idx, q_len, kv_len, kv_blocks, n_vert,
-        BLOCK_M=block_m, BLOCK_N=block_n, KB_P2=triton.next_power_of_2(kv_blocks), V_P2=triton.next_power_of_2(n_vert),
-        num_warps=4,
+        vertical, below, counts[0], full_idx, counts[1], part_idx, counts[2], col_idx, q_len, kv_len, kv_blocks, n_vert,
+        full_w, part_w, BLOCK_M=block_m, BLOCK_N=block_n, KB_TILE=min(VS_INDEX_TILE, triton.next_power_of_2(kv_blocks)),
+        V_TILE=min(VS_INDEX_TILE, triton.next_power_of_2(n_vert)), num_warps=4,
     )
-    index = BlockIndex(counts[0], lists[0], counts[1], lists[1], block_m, block_n, head_space, counts[2], col_idx)
+    index = BlockIndex(counts[0], full_idx, counts[1], part_idx, block_m, block_n, head_space, counts[2], col_idx)
     return index, vertical, slash

@@ -176,9 +176,9 @@ def build_index(
 def fused_refusal(params: BlockTopKParams, q: torch.Tensor, k: torch.Tensor, *, block_n: int = 64,
                   row_pos: torch.Tensor | None = None) -> str | None:
     """Why the fused build cannot take these inputs (None: it can)."""
-    from ..kernels.index_build import fusable
+    from ..kernels.index_build import topk_fusable
 
-    return fusable(q, k, block_n, row_pos)
+    return topk_fusable(q, k, block_n, row_pos)
 
 
 def predicate(params: BlockTopKParams, selection: BlockSelection, group: int = 1):

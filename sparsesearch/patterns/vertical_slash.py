@@ -116,6 +116,18 @@ def estimate(
     return VSLines(vertical, slash, q_len, kv_len, head_space, row_pos)
 
 
+def list_widths(n_slash: int, kv_blocks: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """Static widths of the (full, partial) block lists, exact upper bounds of every query block's counts.
+
+    A slash offset meets the keys [p0 - d, p1 - d] of a query block at positions [p0, p1] (at most block_m
+    keys), so at most ``reach`` = ceil(block_m / block_n) + 1 key blocks; and a block is partial only where
+    it reaches past p0, i.e. overlaps [p0, p1]: again at most ``reach``. At 1M keys with 1024 slashes the
+    full list is 3072 wide instead of 16K key blocks, which is what lets a static-width build run there.
+    """
+    reach = -(-block_m // block_n) + 1
+    return min(kv_blocks, n_slash * reach), min(kv_blocks, reach, n_slash * reach)
+
+
 def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, static_widths: bool = False) -> BlockIndex:
     """Block cover of the slash lines plus gathered vertical columns (see the module docstring).
 
@@ -123,7 +135,7 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, st
     d lies in [max(p0 - k1, 0), p1 - k0]; a prefix count of the selected offsets answers that for every
     (m, kb) at once. Working memory: a few bytes per (B, H, QB, KB) block pair plus the per-block
     vertical lists, never the token grid. ``meta["lines"]`` keeps the VSLines. static_widths: lists as wide
-    as the key blocks and the verticals instead of the largest counts (no device sync: the build can be
+    as their bounds (``list_widths``; the verticals) instead of the largest counts (no device sync: the build can be
     captured in a CUDA graph, graphed.GraphedIndexCache).
     """
     q_len, kv_len = lines.q_len, check_frame(lines.q_len, lines.kv_len, lines.row_pos)
@@ -142,9 +154,9 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, st
     reach = k0 <= p1
     touched = (below[..., hi + 1] > below[..., torch.clamp(lo, max=kv_len)]) & reach  # [B, H, QB, KB]
     is_full = full_block(k0 // block_n, p0, kv_len, block_n)
-    bound = kv_blocks if static_widths else None
-    full_count, full_idx = pack_lists(touched & is_full, bound)
-    partial_count, partial_idx = pack_lists(touched & ~is_full, bound)
+    full_w, part_w = list_widths(lines.slash.shape[-1], kv_blocks, block_m, block_n) if static_widths else (None, None)
+    full_count, full_idx = pack_lists(touched & is_full, full_w)
+    partial_count, partial_idx = pack_lists(touched & ~is_full, part_w)
     # Verticals: causal for the block's last row and not inside a touched block -> gathered columns.
     q_blocks = p0.shape[0]
     vertical = lines.vertical[:, :, None, :].expand(batch, heads, q_blocks, -1)
