@@ -44,8 +44,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shlex
 import sys
+
+# Before torch: at 1M tokens the MLP asks for 28 GiB blocks, and with fixed segments the caching allocator
+# fragments past them (an H200 run died with 22 GiB reserved but unusable).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from pathlib import Path
 from types import SimpleNamespace
 

@@ -277,13 +277,14 @@ def test_fused_vertical_slash_chunked_top_equals_torch(monkeypatch, space, verti
 @pytest.mark.parametrize("space", ["query", "kv"])
 @pytest.mark.parametrize("block_m, block_n, slash", [(16, 32, 3), (32, 16, 2), (64, 64, 30)])
 def test_fused_vertical_slash_walks_tiles_and_merges_stats(monkeypatch, space, block_m, block_n, slash):
-    """Long key axes: the index pass walks key blocks and verticals a tile at a time, and the row stats are
-    merged in their own pass (tiles of 4 and a merge past 1 chunk here stand in for VS_INDEX_TILE = 1024
-    and VS_INLINE_CHUNKS = 16); lists at their narrow static widths, equal to the torch build."""
+    """Long key axes: the index pass walks key blocks and verticals a tile at a time, and the row stats of
+    many chunks merge over several steps (tiles of 4, chunks of 64 keys and merge steps of 2 chunks here
+    stand in for 1024, 1024 and 16); lists at their narrow static widths, equal to the torch build."""
     from sparsesearch.kernels import index_build
 
     monkeypatch.setattr(index_build, "VS_INDEX_TILE", 4)
-    monkeypatch.setattr(index_build, "VS_INLINE_CHUNKS", 0)
+    monkeypatch.setattr(index_build, "VS_CHUNK", 64)
+    monkeypatch.setattr(index_build, "VS_MERGE_TILE", 2)
     params = vertical_slash.VerticalSlashParams(vertical_size=10, slash_size=slash, last_q=16, force_vertical=2, force_slash=1)
     q, k = separated_qk(params, 2, 4, 2, 300, 333, space)
     got, want = vs_pair(params, q, k, space, block_m, block_n)

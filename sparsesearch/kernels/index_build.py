@@ -311,7 +311,7 @@ VS_CHUNK = 1024  # keys per _vs_row_stats program
 MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 128] probabilities); more: the torch build
 VS_TOP_LANES = 32768  # keys (or candidates) a _vs_top program holds in registers
 VS_INDEX_TILE = 1024  # key blocks (or verticals) a _vs_index program holds per step
-VS_INLINE_CHUNKS = 16  # up to this many row-stat chunks (16K keys) _vs_sums merges them itself; more: a merge pass
+VS_MERGE_TILE = 16  # row-stat chunks a _vs_stats_merge step holds
 
 
 @triton.jit
@@ -374,7 +374,10 @@ def _vs_row_stats(
 @triton.jit
 def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.constexpr):
     """One query head's per-chunk softmax stats [chunks, R_P2] merged into one (max, sum) per estimate row,
-    so every _vs_sums window loads R_P2 values, not chunks x R_P2 (1024 x 64 at 1M keys: past registers)."""
+    so every _vs_sums window loads R_P2 values, not chunks x R_P2. Merging in each window instead (one
+    launch fewer) put a chain of dependent loads ahead of its exponentials: on an H200 the build's GPU time
+    at 8K / 16K keys was 148 / 373 us that way and is 108 / 222 us this way (1024 x 64 stats at 1M keys
+    would not fit a window's registers at all); eager, the extra launch costs 0.03-0.08 ms at 8K."""
     bh = tl.program_id(0)
     r = tl.arange(0, R_P2)
     m = tl.full([R_P2], float("-inf"), dtype=tl.float32)
@@ -394,11 +397,10 @@ def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.c
 
 @triton.jit
 def _vs_sums(
-    Q, K, M, L, COLS, DIAG, q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
+    Q, K, M, L, COLS, DIAG, q_len, kv_len, rows, heads, q_heads, scale, shift,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
-    TILE: tl.constexpr, WIN: tl.constexpr, CHUNKS_P2: tl.constexpr, MERGED: tl.constexpr, DOT_F32: tl.constexpr,
-    IEEE: tl.constexpr,
+    TILE: tl.constexpr, WIN: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Window p: keys [A, A + WIN) with A = p * TILE - shift; it owns the column sums of keys [A, A + TILE)
     and the diagonal sums of offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1, whose keys
@@ -419,24 +421,15 @@ def _vs_sums(
     kv_h = h if PER_KV else h // GROUP
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     kt = _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM)  # the window's keys serve every head of the group
-    c = tl.arange(0, CHUNKS_P2)
     # The group's probabilities summed before the column and diagonal reductions: sums are linear, and the
     # skewed gather (the costliest step: 80 of 177 us at 8K on an H200) then runs once per window, not
     # once per head. Unrolled, so the heads' stat and Q loads are issued together.
     total = tl.zeros([R_P2, WIN], dtype=tl.float32)
     for g in tl.static_range(GROUP if PER_KV else 1):
         qh = h * GROUP + g if PER_KV else h
-        if MERGED:  # one (max, sum) per row from _vs_stats_merge
-            m = tl.load(M + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            l = tl.load(L + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
-        else:  # few chunks: merge this head's per-chunk stats here, saving a launch
-            stat = ((b * q_heads + qh).to(tl.int64) * chunks + c[:, None]) * R_P2 + r[None, :]
-            m_c = tl.load(M + stat, mask=(c < chunks)[:, None], other=float("-inf"))
-            l_c = tl.load(L + stat, mask=(c < chunks)[:, None], other=0.0)
-            m = tl.max(m_c, 0)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            l = tl.sum(l_c * tl.exp(m_c - m_safe[None, :]), 0)
+        m = tl.load(M + (b * q_heads + qh).to(tl.int64) * R_P2 + r)  # the rows' merged stats (_vs_stats_merge)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.load(L + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
         q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
         s = _dot(q, kt, DOT_F32, IEEE) * scale
         total += tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
@@ -730,19 +723,15 @@ def vertical_slash_index(
         q, k, stats[0], stats[1], q_len, kv_len, rows, q_heads, scale, *q.stride()[:3], *k.stride()[:3],
         GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE, CHUNK=VS_CHUNK, **dot, num_warps=4,
     )
-    merged = chunks > VS_INLINE_CHUNKS
-    if merged:
-        rows_stats = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
-        _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], rows_stats[0], rows_stats[1], chunks, R_P2=r_p2, C_TILE=16, num_warps=4)
-        stats = rows_stats
+    merged = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
+    _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], merged[0], merged[1], chunks, R_P2=r_p2, C_TILE=VS_MERGE_TILE, num_warps=4)
     sums = torch.empty(2, batch * heads, kv_len, dtype=torch.float32, device=device)
     shift = num_blocks(r_p2 - 1, VS_TILE) * VS_TILE  # windows start left of key 0 so offsets up to kv_len - 1 are owned
     _vs_sums[(num_blocks(kv_len + shift, VS_TILE), batch * heads)](
-        q, k, stats[0], stats[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, chunks, scale, shift,
+        q, k, merged[0], merged[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, scale, shift,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE,
-        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), CHUNKS_P2=1 if merged else triton.next_power_of_2(chunks),
-        MERGED=merged, **dot,
+        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), **dot,
         num_warps=4 if r_p2 <= 32 else 8,  # [64, 128] probabilities + their skewed gather at last_q 64
     )
     n_vert, n_slash = min(vertical_size, kv_len), min(slash_size, kv_len)
