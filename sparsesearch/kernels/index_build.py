@@ -217,12 +217,13 @@ def topk_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.
 def wants_fused(fused: bool | None, refusal, q: torch.Tensor) -> bool:
     """Whether a pattern's build_index takes its fused path: ``fused`` None on CUDA tensors where
     ``refusal()`` (the pattern's ``*fusable`` check: a reason, or None) has none; True always (ValueError
-    naming why it cannot); False never. The fused index always has static widths (lists as wide as the key
-    blocks), which every consumer reads as well as the narrow ones (entries past a count are never read).
-    Measured on an H200 (32/8 heads, 32K-128K keys): static or not, the fused build is faster than the torch
-    one (vertical-slash 2-4x; block top-k 3.3x at 32K, 1.08x at 128K) and peaks at 1/12-1/30 of its memory
+    naming why it cannot); False never. The fused index always has static widths (block top-k: lists as wide
+    as the key blocks; vertical-slash: ``vertical_slash.list_widths``), which every consumer reads as well as
+    the narrow ones (entries past a count are never read). Measured on an H200 (32/8 heads, 32K-1M keys):
+    static or not, the fused build is faster than the torch one (vertical-slash 7-19x; block top-k 3.3x at
+    32K, 1.08x at 128K) and peaks at 1/12-1/40 of its memory
     (the torch build's [B, H, QB, KB] sorts), so an unasked build never prefers torch for narrower lists
-    (benchmarks/RESULTS.md, sessions 9-10)."""
+    (benchmarks/RESULTS.md, sessions 9-11)."""
     if fused is False or (fused is None and not q.is_cuda):
         return False
     why = refusal()
