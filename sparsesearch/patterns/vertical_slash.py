@@ -125,7 +125,7 @@ def list_widths(n_slash: int, kv_blocks: int, block_m: int, block_n: int) -> tup
     full list is 3072 wide instead of 16K key blocks, which is what lets a static-width build run there.
     """
     reach = -(-block_m // block_n) + 1
-    return min(kv_blocks, n_slash * reach), min(kv_blocks, reach, n_slash * reach)
+    return min(kv_blocks, n_slash * reach), min(kv_blocks, reach)  # n_slash >= 1, so reach bounds the partials
 
 
 def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, static_widths: bool = False) -> BlockIndex:
