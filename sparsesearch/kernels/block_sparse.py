@@ -33,7 +33,21 @@ from ._common import (
 from .region_runs import fold_runs
 
 
-@triton.jit
+# Index pointers, list strides, lengths and grid-line arguments change with every candidate a search times (list
+# widths follow the budget), and Triton specialises ints on ==1 and %16: a cold modal search compiled 110 variants of
+# this kernel. None of these feeds a vectorised load or a tile shape, so they stay generic; the Q/K/V/O strides and
+# the row/column maps, which are read a tile at a time and vectorise on alignment, stay specialised
+# (benchmarks/compile_keys.py: 16 keys -> 7).
+_GENERIC_ARGS = (
+    "FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "COL_CNT", "COL_IDX", "CU_Q", "CU_K", "HEAD_MAP", "LINE_CNT",
+    "q_len_max", "kv_len_max", "window", "sink", "heads_per_batch", "pos_shift",
+    "g_stride", "g_row_phase", "g_row_lines", "g_col_phase", "stride_lb", "stride_lh",
+    "stride_cb", "stride_ch", "stride_cm", "stride_fb", "stride_fh", "stride_fm",
+    "stride_pb", "stride_ph", "stride_pm", "stride_gb", "stride_gh", "stride_gm",
+)
+
+
+@triton.jit(do_not_specialize=_GENERIC_ARGS)
 def _block_sparse_fwd(
     Q, K, V, O, LSE, K_DESC, V_DESC,
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
