@@ -1,6 +1,7 @@
 """Dynamic index building at short lengths: eager vs CUDA-graph replays (sparsesearch/graphed.py), issue 14 §2.
 
     PYTHONPATH=. python benchmarks/index_build.py --lengths 4096 8192 16384 32768 --out rows.jsonl
+    PYTHONPATH=. python benchmarks/index_build.py --lengths 8192 16384 --profile   # GPU us, kernel by kernel
 
 One head group of every KV head (kv head space, the runtime's default), 32 query / 8 KV heads, head_dim 128,
 bf16, blocks 64 x 64 (the search spaces' tile). Per length and pattern, timed interleaved in one loop with
@@ -129,6 +130,31 @@ def row(g: HeadGroup, n: int, q, k, v, clock) -> dict:
             "speedup_graph_vs_sdpa": round(t["sdpa"] / t["total_graph"], 3)}
 
 
+def gpu_profile(g: HeadGroup, q, k, v, calls: int = 20) -> dict:
+    """GPU time (us per call, ``torch.profiler``) of the fused build, kernel by kernel, and of causal SDPA over
+    the same q/k/v: the index target is GPU time, since a prefill hides the build's host launches behind
+    the previous layer's work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fused = fused_build(g, q, k, fused=True)
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for fn in (fused, sdpa):  # compiled and warm before the window
+        fn()
+    torch.cuda.synchronize()
+    spans = {}
+    for name, fn in (("build", fused), ("sdpa", sdpa)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        kernels = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+        spans[name] = kernels
+    build_us, sdpa_us = sum(spans["build"].values()), sum(spans["sdpa"].values())
+    return {"pattern": g.pattern, "params": g.params.__dict__, "n": q.shape[2], "q_heads": q.shape[1], "kv_heads": k.shape[1],
+            "build_gpu_us": round(build_us, 1), "sdpa_gpu_us": round(sdpa_us, 1), "build_over_sdpa_gpu": round(build_us / sdpa_us, 4),
+            "kernel_us": {name: round(us, 1) for name, us in sorted(spans["build"].items(), key=lambda kv: -kv[1])}}
+
+
 COLUMNS = ("sdpa", "index_eager", "index_graph", "index_graph_torch", "index_fused", "total_eager", "total_graph", "total_fused")
 
 
@@ -150,6 +176,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the timing rows: the fused builds' GPU time kernel by kernel vs SDPA's (torch.profiler)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/index_build.py needs a CUDA GPU")
@@ -161,12 +189,19 @@ def main() -> None:
         q = torch.randn(1, args.heads, n, args.dim, device=device, dtype=torch.bfloat16)
         k, v = (torch.randn(1, args.kv_heads, n, args.dim, device=device, dtype=torch.bfloat16) for _ in range(2))
         for g in groups(n, args.kv_heads):
+            if args.profile:
+                if has_fused(g, q, k):
+                    r = gpu_profile(g, q, k, v) | {"device": torch.cuda.get_device_name(), "command": command}
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                continue
             r = row(g, n, q, k, v, clock) | {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": command}
             rows.append(r)
             print(json.dumps(r), flush=True)
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(table(rows))
+    if not args.profile:
+        print(table(rows))
 
 if __name__ == "__main__":
     main()

@@ -91,7 +91,7 @@ def _pooled_scores(
     return scores
 
 
-# Up to this many picks, a top-k is ``take`` rounds of one max each; past it, the 32 bisection rounds.
+# Up to this many picks, a top-k is ``take`` rounds of one max each; past it, bisection (at most 32 rounds).
 FEW_TAKES = tl.constexpr(32)
 
 
@@ -103,10 +103,11 @@ def _top_take(scores, eligible, take, lanes):
     Floats map to int32 keys in the same order (negative values get their magnitude bits flipped; -0 is
     made +0 first, since the sort ties them). Few picks (the block top-k budgets of short contexts: 6 at
     8K): each round takes the max of key * 2^32 + (reversed lane), one reduction that breaks ties to the
-    lower lane. Many picks: 32 bisection rounds over the int32 range find the largest threshold with at
+    lower lane. Many picks: bisection over the eligible keys' range finds the largest threshold with at
     least ``take`` keys at or above it (the take-th largest key), and a prefix count takes the tied ones
-    in lane order. Each round costs one cross-warp reduction either way, so few picks cost take rounds
-    instead of 33 (H200, 8K, 32/8 heads: the select kernel's top-k was most of its time).
+    in lane order; it stops early where a threshold has exactly ``take`` keys at or above it. Each round
+    costs one cross-warp reduction either way, so few picks cost take rounds instead of up to 34 (H200,
+    8K, 32/8 heads: the select kernel's top-k was most of its time).
     """
     scores = tl.where(scores == 0.0, 0.0, scores)
     bits = scores.to(tl.int32, bitcast=True)
@@ -121,13 +122,17 @@ def _top_take(scores, eligible, take, lanes):
             chosen = chosen | hit
             packed = tl.where(hit, none, packed)
     else:
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        for _ in tl.range(32):  # a runtime loop: unrolled over 32K lanes it cost seconds of compile per length
+        # Invariant: at least ``take`` keys at or above lo; hi bounds the answer. From the eligible keys' own
+        # range, and done as soon as exactly ``take`` keys lie at or above mid (no tie to split then): a
+        # runtime loop (unrolled over 32K lanes, 32 rounds cost seconds of compile per length) that stops once
+        # mid falls between the take-th and the next key, well before the 32 rounds a full bisection needs.
+        lo = tl.min(tl.where(eligible, key, 2147483647), 0)
+        hi = tl.max(tl.where(eligible, key, -2147483648), 0)
+        while lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((eligible & (key >= mid)).to(tl.int32), 0) >= take
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+            count = tl.sum((eligible & (key >= mid)).to(tl.int32), 0)
+            lo = tl.where(count >= take, mid, lo)
+            hi = tl.where(count > take, hi, tl.where(count == take, mid, mid - 1))
         above = eligible & (key > lo)
         tied = eligible & (key == lo)
         rank = tl.cumsum(tied.to(tl.int32), 0)  # 1-based among the tied, in id order
@@ -248,7 +253,7 @@ def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _select_config(kv_blocks: int, head_dim: int, heads: int) -> dict:
     """KB_P2 lanes per program, HEADS_P2 query heads scored together; CHUNK_D keeps the [heads, KB, chunk]
-    product at <= 8K fp32 registers; more warps for long key axes (the 32 bisection rounds reduce over KB_P2)."""
+    product at <= 8K fp32 registers; more warps for long key axes (the bisection rounds reduce over KB_P2)."""
     kb_p2 = triton.next_power_of_2(max(kv_blocks, 16))
     heads_p2 = triton.next_power_of_2(heads)
     chunk = max(1, min(block_d(head_dim), 8192 // (kb_p2 * heads_p2)))
@@ -294,10 +299,11 @@ def block_topk_index(
 #
 # 1. ``_vs_row_stats``: per (key chunk, batch, query head), the softmax max and sum of each of the last R
 #    query rows over the chunk's causal keys (split so that short prompts still fill the GPU).
-# 2. ``_vs_sums``: per (key window, batch, index head): the chunk stats merged, the probabilities of the
-#    window's keys, summed over rows into the window's column sums and, through a skewed gather, into its
-#    diagonal sums (offset d = pos - j); kv head space sums the GQA group's heads.
-# 3. ``_vs_top``: per (batch, index head, line kind): the forced lines get +inf, the exact top-k of
+# 2. ``_vs_sums``: per (key tile, batch, index head): the probabilities of the tile's keys under the merged
+#    row stats (``_vs_stats_merge``), summed over rows into the tile's column sums and, through a skewed
+#    gather, into diagonal sums (offset d = pos - j) in two parts, the rows inside the tile and those in
+#    the next; kv head space sums the GQA group's heads.
+# 3. ``_vs_top``: per (batch, index head, line kind): a diagonal's two parts added, the forced lines get +inf, the exact top-k of
 #    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
 #    the prefix counts ``below[x]`` = chosen offsets < x. Past VS_TOP_LANES keys (one program's registers)
 #    in stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``); while those exceed
@@ -307,9 +313,9 @@ def block_topk_index(
 #    reads of ``below`` per block), full/partial by causality, and the verticals that are causal for the
 #    block's last row and outside every touched block as gathered columns.
 
-VS_TILE = 64  # keys per window of _vs_sums (and per step of _vs_row_stats)
-VS_CHUNK = 1024  # keys per _vs_row_stats program
-MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 128] probabilities); more: the torch build
+VS_TILE = 64  # keys per tile of _vs_sums (and per step of _vs_row_stats)
+VS_CHUNK = 1024  # keys per _vs_row_stats program (256 at 8K keys was slower: 27 vs 23 us, four times the Q loads)
+MAX_LAST_Q = 64  # estimate rows a _vs_sums program holds ([64, 64] probabilities); more: the torch build
 VS_TOP_LANES = 32768  # keys (or candidates) a _vs_top program holds in registers
 VS_INDEX_TILE = 1024  # key blocks (or verticals) a _vs_index program holds per step
 VS_MERGE_TILE = 16  # row-stat chunks a _vs_stats_merge step holds
@@ -398,53 +404,67 @@ def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.c
 
 @triton.jit
 def _vs_sums(
-    Q, K, M, L, COLS, DIAG, q_len, kv_len, rows, heads, q_heads, scale, shift,
+    Q, K, M, L, COLS, DIAG, DIAG_NEXT, q_len, kv_len, rows, heads, q_heads, scale, shift,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
-    TILE: tl.constexpr, WIN: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    TILE: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Window p: keys [A, A + WIN) with A = p * TILE - shift; it owns the column sums of keys [A, A + TILE)
-    and the diagonal sums of offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1, whose keys
-    j = pos_r - d all lie in the window (WIN >= TILE + R_P2 - 1)."""
+    """Tile p: keys [A, A + TILE) with A = p * TILE - shift, and the last R_P2 <= TILE rows. It owns the column
+    sums of its keys and the diagonal offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1. Offset
+    d0 + t's entries lie in this tile for rows r <= t and in the next tile for the rest, so a diagonal is
+    two partial sums: this tile's rows r <= t into DIAG[d0 + t], and the rows r > t, which are the previous
+    tile's offsets d0 + TILE + t, into DIAG_NEXT there (the top-k adds the two). Both read slot
+    (r - 1 - t) mod TILE of the row, one skewed gather. Each key's scores are computed once; a window wide
+    enough to hold whole diagonals (TILE + R_P2 - 1 keys, a power of two: 128) computed every key twice."""
     p = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
     r = tl.arange(0, R_P2)
-    w = tl.arange(0, WIN)
     t = tl.arange(0, TILE)
     offs_d = tl.arange(0, BLOCK_D)
     a = p * TILE - shift
-    keys = a + w
+    keys = a + t
     pos = kv_len - rows + r
     ok = (keys[None, :] <= pos[:, None]) & (keys >= 0)[None, :] & (keys < kv_len)[None, :] & (r < rows)[:, None]
-    skew = r[:, None] + TILE - 1 - t[None, :]  # [R_P2, TILE]: window slot of row r's key at offset d0 + t
     kv_h = h if PER_KV else h // GROUP
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
-    kt = _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM)  # the window's keys serve every head of the group
+    kt = _key_tile(k_base, stride_kn, keys, kv_len, offs_d, HEAD_DIM)  # the tile's keys serve every head of the group
     # The group's probabilities summed before the column and diagonal reductions: sums are linear, and the
-    # skewed gather (the costliest step: 80 of 177 us at 8K on an H200) then runs once per window, not
-    # once per head. Unrolled, so the heads' stat and Q loads are issued together.
-    total = tl.zeros([R_P2, WIN], dtype=tl.float32)
+    # skewed gather then runs once per tile, not once per head. Unrolled, so the heads' stat and Q loads
+    # are issued together.
+    total = tl.zeros([R_P2, TILE], dtype=tl.float32)
     for g in tl.static_range(GROUP if PER_KV else 1):
         qh = h * GROUP + g if PER_KV else h
         m = tl.load(M + (b * q_heads + qh).to(tl.int64) * R_P2 + r)  # the rows' merged stats (_vs_stats_merge)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l = tl.load(L + (b * q_heads + qh).to(tl.int64) * R_P2 + r)
+        inv_l = 1.0 / tl.where(l == 0.0, 1.0, l)  # one division per row, not per score
         q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
         s = _dot(q, kt, DOT_F32, IEEE) * scale
-        total += tl.where(ok, tl.exp(s - m_safe[:, None]) / tl.where(l == 0.0, 1.0, l)[:, None], 0.0)
-    cols = tl.sum(tl.where((w < TILE)[None, :], total, 0.0), 0)
-    diag = tl.sum(tl.gather(total, skew, 1), 0)
+        total += tl.where(ok, tl.exp(s - m_safe[:, None]) * inv_l[:, None], 0.0)
+    cols = tl.sum(total, 0)
+    skewed = tl.gather(total, (r[:, None] + TILE - 1 - t[None, :]) % TILE, 1)  # [R_P2, TILE]: row r at offset d0 + t
+    own = r[:, None] <= t[None, :]
+    diag = tl.sum(tl.where(own, skewed, 0.0), 0)
+    diag_prev = tl.sum(tl.where(own, 0.0, skewed), 0)
     out = bh.to(tl.int64) * kv_len
-    tl.store(COLS + out + keys, cols, mask=(w < TILE) & (keys >= 0) & (keys < kv_len))
+    tl.store(COLS + out + keys, cols, mask=(keys >= 0) & (keys < kv_len))
     d = kv_len - rows - a - TILE + 1 + t
     tl.store(DIAG + out + d, diag, mask=(d >= 0) & (d < kv_len))
+    tl.store(DIAG_NEXT + out + d + TILE, diag_prev, mask=(d + TILE >= 0) & (d + TILE < kv_len))
 
 
-@triton.jit
+# Line counts, forced counts and list widths change with every candidate a search prices, and Triton compiles
+# a kernel again whenever an int argument crosses 1 or a multiple of 16 (a cold modal search compiled 8
+# variants of _vs_top and 6 of _vs_index). They stay generic; lengths and pointers, which set load alignment,
+# stay specialised.
+_LINES = ("n_vert", "n_slash", "force_vert", "force_slash")
+
+
+@triton.jit(do_not_specialize=_LINES)
 def _vs_top(
-    COLS, DIAG, VERT, SLASH, BELOW, kv_len, n_vert, n_slash, force_vert, force_slash,
+    COLS, DIAG, DIAG_NEXT, VERT, SLASH, BELOW, kv_len, n_vert, n_slash, force_vert, force_slash,
     NK_P2: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -463,6 +483,8 @@ def _vs_top(
         src = COLS
         out = VERT + bh.to(tl.int64) * n_vert
     scores = tl.load(src + row + lanes, mask=ok, other=0.0)
+    if slash:
+        scores += tl.load(DIAG_NEXT + row + lanes, mask=ok, other=0.0)  # a diagonal's second part (_vs_sums)
     scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
     chosen = _top_take(scores, ok, take, lanes)  # exactly ``take`` lines: take <= kv_len
     slot = tl.cumsum(chosen.to(tl.int32), 0)
@@ -473,9 +495,9 @@ def _vs_top(
         tl.store(below, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_LINES + ("width",))
 def _vs_top_chunk(
-    COLS, DIAG, CAND_S, CAND_I, kv_len, n_vert, n_slash, force_vert, force_slash, width,
+    COLS, DIAG, DIAG_NEXT, CAND_S, CAND_I, kv_len, n_vert, n_slash, force_vert, force_slash, width,
     CHUNK: tl.constexpr,
 ):
     """Keys past VS_TOP_LANES, stage 1: each chunk of CHUNK keys keeps its own best min(take, chunk) lines
@@ -495,6 +517,8 @@ def _vs_top_chunk(
     else:
         src = COLS
     scores = tl.load(src + bh.to(tl.int64) * kv_len + keys, mask=ok, other=0.0)
+    if slash:
+        scores += tl.load(DIAG_NEXT + bh.to(tl.int64) * kv_len + keys, mask=ok, other=0.0)
     scores = tl.where(keys < force, float("inf"), scores)
     take = tl.minimum(take, tl.minimum(kv_len - chunk * CHUNK, CHUNK))
     chosen = _top_take(scores, ok, take, lanes)
@@ -505,7 +529,7 @@ def _vs_top_chunk(
     tl.store(CAND_I + base + slot, keys, mask=chosen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_cand", "n_vert", "n_slash", "width"))
 def _vs_top_reduce(CAND_S, CAND_I, OUT_S, OUT_I, n_cand, n_vert, n_slash, width, CHUNK: tl.constexpr):
     """A middle stage of the chunked top-k, while a head's candidates exceed one program: each group of
     CHUNK candidates (ascending by id) keeps its own best min(take, live) as stage 1 does for keys, in its
@@ -528,7 +552,7 @@ def _vs_top_reduce(CAND_S, CAND_I, OUT_S, OUT_I, n_cand, n_vert, n_slash, width,
     tl.store(OUT_I + base + slot, ids, mask=chosen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_cand", "n_vert", "n_slash"))
 def _vs_top_merge(CAND_S, CAND_I, VERT, SLASH, n_cand, n_vert, n_slash, NC_P2: tl.constexpr):
     """Stage 2 of the chunked top-k: the take best of a head's candidates (ascending by id, so position
     order is id order and the tie rule carries over), written ascending."""
@@ -576,7 +600,7 @@ def _zero_tail(idx_ptr, n, width, TILE: tl.constexpr):
         tl.store(idx_ptr + lanes, tl.zeros([TILE], dtype=idx_ptr.dtype.element_ty), mask=(lanes >= n) & (lanes < width))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_vert", "full_w", "part_w"))
 def _vs_index(
     VERT, BELOW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
     q_len, kv_len, kv_blocks, n_vert, full_w, part_w,
@@ -656,7 +680,7 @@ def _top_warps(lanes: int) -> int:
 
 
 def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int) -> None:
-    """The top-k of the column and diagonal sums [2, BH, kv_len] into vertical/slash (ascending) and the
+    """The top-k of the column sums and the two-part diagonal sums [3, BH, kv_len] into vertical/slash (ascending) and the
     prefix counts ``below`` [BH, kv_len + 1] of the chosen offsets: one program per head and kind up to
     VS_TOP_LANES keys, else chunked (``_vs_top_chunk`` then ``_vs_top_merge``; inputs checked by
     ``vs_top_refusal``)."""
@@ -664,7 +688,7 @@ def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: i
     if kv_len <= VS_TOP_LANES:
         nk_p2 = triton.next_power_of_2(kv_len)
         _vs_top[(bh, 2)](
-            sums[0], sums[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
+            sums[0], sums[1], sums[2], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
             NK_P2=nk_p2, num_warps=_top_warps(nk_p2),
         )
         return
@@ -673,7 +697,7 @@ def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: i
     cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=sums.device)
     cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=sums.device)
     _vs_top_chunk[(bh, 2, chunks)](
-        sums[0], sums[1], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
+        sums[0], sums[1], sums[2], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
         CHUNK=VS_TOP_LANES, num_warps=16,
     )
     n_cand = chunks * width
@@ -726,14 +750,16 @@ def vertical_slash_index(
     )
     merged = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
     _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], merged[0], merged[1], chunks, R_P2=r_p2, C_TILE=VS_MERGE_TILE, num_warps=4)
-    sums = torch.empty(2, batch * heads, kv_len, dtype=torch.float32, device=device)
-    shift = num_blocks(r_p2 - 1, VS_TILE) * VS_TILE  # windows start left of key 0 so offsets up to kv_len - 1 are owned
-    _vs_sums[(num_blocks(kv_len + shift, VS_TILE), batch * heads)](
-        q, k, merged[0], merged[1], sums[0], sums[1], q_len, kv_len, rows, heads, q_heads, scale, shift,
+    sums = torch.empty(3, batch * heads, kv_len, dtype=torch.float32, device=device)  # columns, diagonals in two parts
+    # Tiles start one tile left of key 0, so that offsets up to kv_len - 1 are owned, and run one past the
+    # last key, so that every owned offset's second part is written (zeros there).
+    tile = max(VS_TILE, r_p2)
+    shift = num_blocks(r_p2 - 1, tile) * tile
+    _vs_sums[(num_blocks(kv_len + shift, tile) + 1, batch * heads)](
+        q, k, merged[0], merged[1], sums[0], sums[1], sums[2], q_len, kv_len, rows, heads, q_heads, scale, shift,
         *q.stride()[:3], *k.stride()[:3],
-        GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=VS_TILE,
-        WIN=triton.next_power_of_2(VS_TILE + r_p2 - 1), **dot,
-        num_warps=4 if r_p2 <= 32 else 8,  # [64, 128] probabilities + their skewed gather at last_q 64
+        GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=tile, **dot,
+        num_warps=4,
     )
     n_vert, n_slash = min(vertical_size, kv_len), min(slash_size, kv_len)
     vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
