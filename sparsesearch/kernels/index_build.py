@@ -444,7 +444,10 @@ def _vs_sums(
         s = _dot(q, kt, DOT_F32, IEEE) * scale
         total += tl.where(ok, tl.exp(s - m_safe[:, None]) * inv_l[:, None], 0.0)
     cols = tl.sum(total, 0)
-    skewed = tl.gather(total, (r[:, None] + TILE - 1 - t[None, :]) % TILE, 1)  # [R_P2, TILE]: row r at offset d0 + t
+    # [R_P2, TILE]: row r's entry at offset d0 + t. The two parts are summed in fp64 and added before one
+    # rounding (_line_scores): fp32 parts would round each offset's sum at its own split point, so offsets
+    # that tie exactly in the reference's fp32 sums (uniform rows) would no longer tie.
+    skewed = tl.gather(total, (r[:, None] + TILE - 1 - t[None, :]) % TILE, 1).to(tl.float64)
     own = r[:, None] <= t[None, :]
     diag = tl.sum(tl.where(own, skewed, 0.0), 0)
     diag_prev = tl.sum(tl.where(own, 0.0, skewed), 0)
@@ -453,6 +456,17 @@ def _vs_sums(
     d = kv_len - rows - a - TILE + 1 + t
     tl.store(DIAG + out + d, diag, mask=(d >= 0) & (d < kv_len))
     tl.store(DIAG_NEXT + out + d + TILE, diag_prev, mask=(d + TILE >= 0) & (d + TILE < kv_len))
+
+
+@triton.jit
+def _line_scores(COLS, DIAG, DIAG_NEXT, offs, ok, slash):
+    """fp32 line scores at ``offs``: column sums, or for slashes a diagonal's two fp64 parts (_vs_sums)
+    added and then rounded once."""
+    if slash:
+        scores = (tl.load(DIAG + offs, mask=ok, other=0.0) + tl.load(DIAG_NEXT + offs, mask=ok, other=0.0)).to(tl.float32)
+    else:
+        scores = tl.load(COLS + offs, mask=ok, other=0.0)
+    return scores
 
 
 # Line counts, forced counts and list widths change with every candidate a search prices, and Triton compiles
@@ -477,14 +491,10 @@ def _vs_top(
     take = tl.where(slash, n_slash, n_vert)
     force = tl.where(slash, force_slash, force_vert)
     if slash:
-        src = DIAG
         out = SLASH + bh.to(tl.int64) * n_slash
     else:
-        src = COLS
         out = VERT + bh.to(tl.int64) * n_vert
-    scores = tl.load(src + row + lanes, mask=ok, other=0.0)
-    if slash:
-        scores += tl.load(DIAG_NEXT + row + lanes, mask=ok, other=0.0)  # a diagonal's second part (_vs_sums)
+    scores = _line_scores(COLS, DIAG, DIAG_NEXT, row + lanes, ok, slash)
     scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
     chosen = _top_take(scores, ok, take, lanes)  # exactly ``take`` lines: take <= kv_len
     slot = tl.cumsum(chosen.to(tl.int32), 0)
@@ -512,13 +522,7 @@ def _vs_top_chunk(
     ok = keys < kv_len
     take = tl.where(slash, n_slash, n_vert)
     force = tl.where(slash, force_slash, force_vert)
-    if slash:
-        src = DIAG
-    else:
-        src = COLS
-    scores = tl.load(src + bh.to(tl.int64) * kv_len + keys, mask=ok, other=0.0)
-    if slash:
-        scores += tl.load(DIAG_NEXT + bh.to(tl.int64) * kv_len + keys, mask=ok, other=0.0)
+    scores = _line_scores(COLS, DIAG, DIAG_NEXT, bh.to(tl.int64) * kv_len + keys, ok, slash)
     scores = tl.where(keys < force, float("inf"), scores)
     take = tl.minimum(take, tl.minimum(kv_len - chunk * CHUNK, CHUNK))
     chosen = _top_take(scores, ok, take, lanes)
@@ -679,38 +683,39 @@ def _top_warps(lanes: int) -> int:
     return 4 if lanes <= 2048 else (8 if lanes <= 8192 else 16)
 
 
-def _vs_lines(sums, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int) -> None:
-    """The top-k of the column sums and the two-part diagonal sums [3, BH, kv_len] into vertical/slash (ascending) and the
-    prefix counts ``below`` [BH, kv_len + 1] of the chosen offsets: one program per head and kind up to
+def _vs_lines(cols, diag, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int) -> None:
+    """The top-k of the column sums [BH, kv_len] and the two-part diagonal sums [2, BH, kv_len] into
+    vertical/slash (ascending) and the prefix counts ``below`` [BH, kv_len + 1] of the chosen offsets: one
+    program per head and kind up to
     VS_TOP_LANES keys, else chunked (``_vs_top_chunk`` then ``_vs_top_merge``; inputs checked by
     ``vs_top_refusal``)."""
-    bh = sums.shape[1]
+    bh, device = cols.shape[0], cols.device
     if kv_len <= VS_TOP_LANES:
         nk_p2 = triton.next_power_of_2(kv_len)
         _vs_top[(bh, 2)](
-            sums[0], sums[1], sums[2], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
+            cols, diag[0], diag[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
             NK_P2=nk_p2, num_warps=_top_warps(nk_p2),
         )
         return
     chunks = num_blocks(kv_len, VS_TOP_LANES)
     width = _candidates_per_chunk(n_vert, n_slash)
-    cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=sums.device)
-    cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=sums.device)
+    cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=device)
+    cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=device)
     _vs_top_chunk[(bh, 2, chunks)](
-        sums[0], sums[1], sums[2], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
+        cols, diag[0], diag[1], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
         CHUNK=VS_TOP_LANES, num_warps=16,
     )
     n_cand = chunks * width
     while n_cand > VS_TOP_LANES:  # e.g. 128K keys with > 8K lines: each pass keeps <= half (vs_top_refusal)
         groups = num_blocks(n_cand, VS_TOP_LANES)
-        out_s = torch.empty(bh, 2, groups, width, dtype=torch.float32, device=sums.device)
-        out_i = torch.empty(bh, 2, groups, width, dtype=torch.int32, device=sums.device)
+        out_s = torch.empty(bh, 2, groups, width, dtype=torch.float32, device=device)
+        out_i = torch.empty(bh, 2, groups, width, dtype=torch.int32, device=device)
         _vs_top_reduce[(bh, 2, groups)](cand_s, cand_i, out_s, out_i, n_cand, n_vert, n_slash, width, CHUNK=VS_TOP_LANES, num_warps=16)
         cand_s, cand_i, n_cand = out_s, out_i, groups * width
     nc_p2 = triton.next_power_of_2(n_cand)
     _vs_top_merge[(bh, 2)](cand_s, cand_i, vertical, slash, n_cand, n_vert, n_slash, NC_P2=nc_p2, num_warps=_top_warps(nc_p2))
     # below[h, x] = chosen offsets < x, as _vs_top writes it: a search of the sorted offsets.
-    points = torch.arange(kv_len + 1, device=sums.device).expand(bh, -1).contiguous()
+    points = torch.arange(kv_len + 1, device=device).expand(bh, -1).contiguous()
     below.copy_(torch.searchsorted(slash.view(bh, n_slash), points))
 
 
@@ -750,13 +755,14 @@ def vertical_slash_index(
     )
     merged = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
     _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], merged[0], merged[1], chunks, R_P2=r_p2, C_TILE=VS_MERGE_TILE, num_warps=4)
-    sums = torch.empty(3, batch * heads, kv_len, dtype=torch.float32, device=device)  # columns, diagonals in two parts
+    cols = torch.empty(batch * heads, kv_len, dtype=torch.float32, device=device)
+    diag = torch.empty(2, batch * heads, kv_len, dtype=torch.float64, device=device)  # a diagonal's two parts
     # Tiles start one tile left of key 0, so that offsets up to kv_len - 1 are owned, and run one past the
     # last key, so that every owned offset's second part is written (zeros there).
     tile = max(VS_TILE, r_p2)
     shift = num_blocks(r_p2 - 1, tile) * tile
     _vs_sums[(num_blocks(kv_len + shift, tile) + 1, batch * heads)](
-        q, k, merged[0], merged[1], sums[0], sums[1], sums[2], q_len, kv_len, rows, heads, q_heads, scale, shift,
+        q, k, merged[0], merged[1], cols, diag[0], diag[1], q_len, kv_len, rows, heads, q_heads, scale, shift,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=tile, **dot,
         num_warps=4,
@@ -765,7 +771,7 @@ def vertical_slash_index(
     vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
     slash = torch.empty(batch, heads, n_slash, dtype=torch.int64, device=device)
     below = torch.empty(batch * heads, kv_len + 1, dtype=torch.int32, device=device)
-    _vs_lines(sums, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash)
+    _vs_lines(cols, diag, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash)
     from ..patterns.vertical_slash import list_widths  # local: the pattern module imports this one lazily
 
     q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
