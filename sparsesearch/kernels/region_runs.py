@@ -34,7 +34,10 @@ class RunLists(NamedTuple):
     partial_idx: torch.Tensor
 
 
-@triton.jit
+# List widths and strides change with every candidate a search prices; kept out of the compile key (a cold modal
+# search compiled 9 variants of this kernel otherwise).
+@triton.jit(do_not_specialize=("heads", "n_keys", "stride_cb", "stride_ch", "stride_cm", "stride_fb", "stride_fh",
+                               "stride_fm", "stride_pb", "stride_ph", "stride_pm", "out_full_cap", "out_part_cap"))
 def _fold_runs(
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_MAP,
     OUT_FULL_CNT, OUT_FULL, OUT_PART_CNT, OUT_PART,
