@@ -404,12 +404,12 @@ def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.c
 
 @triton.jit
 def _vs_sums(
-    Q, K, M, L, COLS, DIAG, DIAG_NEXT, q_len, kv_len, rows, heads, q_heads, scale, shift,
+    Q, K, M, L, COLS, DIAG, DIAG_NEXT, q_len, kv_len, rows, heads, q_heads, scale,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
     TILE: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Tile p: keys [A, A + TILE) with A = p * TILE - shift, and the last R_P2 <= TILE rows. It owns the column
+    """Tile p: keys [A, A + TILE) with A = (p - 1) * TILE, and the last R_P2 <= TILE rows. It owns the column
     sums of its keys and the diagonal offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1. Offset
     d0 + t's entries lie in this tile for rows r <= t and in the next tile for the rest, so a diagonal is
     two partial sums: this tile's rows r <= t into DIAG[d0 + t], and the rows r > t, which are the previous
@@ -423,7 +423,7 @@ def _vs_sums(
     r = tl.arange(0, R_P2)
     t = tl.arange(0, TILE)
     offs_d = tl.arange(0, BLOCK_D)
-    a = p * TILE - shift
+    a = (p - 1) * TILE
     keys = a + t
     pos = kv_len - rows + r
     ok = (keys[None, :] <= pos[:, None]) & (keys >= 0)[None, :] & (keys < kv_len)[None, :] & (r < rows)[:, None]
@@ -757,12 +757,11 @@ def vertical_slash_index(
     _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], merged[0], merged[1], chunks, R_P2=r_p2, C_TILE=VS_MERGE_TILE, num_warps=4)
     cols = torch.empty(batch * heads, kv_len, dtype=torch.float32, device=device)
     diag = torch.empty(2, batch * heads, kv_len, dtype=torch.float64, device=device)  # a diagonal's two parts
-    # Tiles start one tile left of key 0, so that offsets up to kv_len - 1 are owned, and run one past the
-    # last key, so that every owned offset's second part is written (zeros there).
+    # Tiles start one tile left of key 0, so that offsets up to kv_len - 1 are owned (R_P2 <= TILE), and run
+    # one past the last key, so that every owned offset's second part is written (zeros there).
     tile = max(VS_TILE, r_p2)
-    shift = num_blocks(r_p2 - 1, tile) * tile
-    _vs_sums[(num_blocks(kv_len + shift, tile) + 1, batch * heads)](
-        q, k, merged[0], merged[1], cols, diag[0], diag[1], q_len, kv_len, rows, heads, q_heads, scale, shift,
+    _vs_sums[(num_blocks(kv_len, tile) + 2, batch * heads)](
+        q, k, merged[0], merged[1], cols, diag[0], diag[1], q_len, kv_len, rows, heads, q_heads, scale,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=tile, **dot,
         num_warps=4,

@@ -29,10 +29,10 @@ from .block_sparse import attend_in_layout
 # Row counts, split sizes and row positions change with the pattern's parameters, which a search varies; they
 # stay out of the compile key (a cold modal search compiled 6 and 7 variants of these two kernels). The
 # Q/K/V/O strides, which set load alignment, stay specialised.
-_ROW_ARGS = ("q_len_max", "kv_len_max", "last", "chunk", "splits", "row_first", "row_step", "heads_per_batch")
+_ROW_ARGS = ("q_len_max", "last", "row_first", "row_step", "heads_per_batch")
 
 
-@triton.jit(do_not_specialize=[a for a in _ROW_ARGS if a != "splits"])
+@triton.jit(do_not_specialize=_ROW_ARGS + ("kv_len_max", "chunk"))
 def _tail_split_fwd(
     Q, K, V, PO, PL, CU_Q, CU_K, QH_MAP,
     qk_scale, q_len_max, kv_len_max, last, chunk, row_first, row_step, heads_per_batch,
@@ -120,7 +120,7 @@ def _tail_split_fwd(
     tl.store(PL + split.to(tl.int64) * stride_ls + b * stride_lb + slot * stride_lh + offs_r, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=[a for a in _ROW_ARGS if a not in ("kv_len_max", "chunk")])
+@triton.jit(do_not_specialize=_ROW_ARGS + ("splits",))
 def _merge_rows_fwd(
     PO, PL, O, LSE, CU_Q, QH_MAP,
     splits, q_len_max, last, row_first, row_step, heads_per_batch,
