@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--tma", choices=["off", "on"], nargs="+", default=["off", "on"])
+    parser.add_argument("--pack", type=int, nargs="+", default=[1], help="query heads of a GQA group per program")
+    parser.add_argument("--col-tile", type=int, nargs="+", default=[0], help="gathered-column tile (0: TILE_N)")
     parser.add_argument("--vs", nargs="*", default=[], help="planted vertical-slash indexes, each 'V,S'")
     args = parser.parse_args()
     heads, kv_heads, dim = 32, 8, 128
@@ -64,17 +66,17 @@ def main() -> None:
         for block in args.block:
             for name, index in indices(q, k, n, block, args.density, args.vs).items():
                 dens = computed_density(index, n)
-                for tile_n, warps, stages, tma in itertools.product(args.tile, args.warps, args.stages, args.tma):
+                for tile_n, warps, stages, tma, pack, col_tile in itertools.product(args.tile, args.warps, args.stages, args.tma, args.pack, args.col_tile):
                     if tile_n > block:
                         continue
-                    cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages, "tma": tma == "on"}
+                    cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages, "tma": tma == "on", "pack": pack, "COL_TILE": col_tile or tile_n}
                     try:
                         block_sparse_attention(q, k, v, index, config=cfg)
                         t = bench(lambda: block_sparse_attention(q, k, v, index, config=cfg), warmup_ms=20, rep_ms=100)
                     except Exception as exc:  # out of shared memory etc.
                         print(f"N {n} block {block} {name} {cfg} failed: {type(exc).__name__}")
                         continue
-                    print(f"N {n:6d} block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages} tma {tma:3s}: "
+                    print(f"N {n:6d} block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages} tma {tma:3s} pack {pack} cols {col_tile or tile_n}: "
                           f"{t:8.3f} ms eff {dens * t_sdpa / t:.3f} ({dens * flops / t / 1e9:.0f} TFLOP/s)", flush=True)
 
 

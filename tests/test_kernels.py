@@ -287,6 +287,48 @@ def test_launch_variants_are_bitwise_equal(head_space, variant, window):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_stacked_gqa_heads_are_bitwise_equal(varlen):
+    """Programs that stack 2 or 4 query heads of a GQA group (one kv-space index row) give the bits of one head
+    per program: batch 2 (varlen: uneven lengths), a head map, a window, gathered columns (in narrower tiles)
+    and partial blocks past the edge."""
+    base = {"TILE_N": 16, "num_warps": 4, "num_stages": 1}
+    heads = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    if varlen:
+        cu_q, cu_k, q, k, v = varlen_qkv([70, 33], [90, 33], 8, 2, torch.half, seed=3)
+        index = stack([random_index(1, 1, lq, lk, 16, 16, columns=3, head_space="kv", seed=b, device=DEVICE)
+                       for b, (lq, lk) in enumerate(([70, 90], [33, 33]))])
+        kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        fresh = lambda: dict(out=torch.zeros_like(q), lse=torch.zeros(8, q.shape[0], device=DEVICE))  # noqa: E731
+    else:
+        q, k, v = qkv(2, 8, 2, 75, 90, 64, torch.float16, seed=6)
+        index = replace(random_index(2, 1, 75, 90, 16, 16, columns=5, head_space="kv", seed=4, device=DEVICE), window=40, sink=2)
+        kw = {}
+        fresh = lambda: dict(out=torch.zeros_like(q), lse=torch.zeros(2, 8, 75, device=DEVICE))  # noqa: E731
+    one = block_sparse_attention(q, k, v, index, heads=heads, config=base | {"pack": 1}, **kw, **fresh())
+    assert bool((one[0] != 0).any())
+    for pack in (2, 4, None):  # None: the launcher's own choice (4 here: 16-row blocks, groups of 4)
+        got = block_sparse_attention(q, k, v, index, heads=heads, config=base | ({} if pack is None else {"pack": pack}), **kw, **fresh())
+        assert torch.equal(one[0], got[0]) and torch.equal(one[1], got[1]), pack
+
+
+def test_pack_choice_and_bad_pack():
+    """Heads stack up to 128 rows, only for a kv-space index and head_dim <= 128, and only in packs that divide
+    the GQA group; an explicit pack that cannot apply is a ValueError before launch."""
+    from sparsesearch.kernels.block_sparse import _pack
+
+    kv = random_index(1, 2, 64, 64, 64, 64, head_space="kv", device=DEVICE)
+    assert _pack(kv, 4, 128, None) == 2 and _pack(kv, 3, 128, None) == 1 and _pack(kv, 4, 256, None) == 1
+    assert _pack(replace(kv, block_m=16), 6, 64, None) == 2 and _pack(replace(kv, block_m=128), 4, 128, None) == 1
+    assert _pack(random_index(1, 2, 64, 64, 64, 64, columns=2, head_space="kv", device=DEVICE), 4, 128, None) == 2
+    assert _pack(random_index(1, 8, 64, 64, 64, 64, head_space="query", device=DEVICE), 4, 128, None) == 1
+    q, k, v = qkv(1, 8, 2, 64, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="pack=2 needs a kv head space"):
+        block_sparse_attention(q, k, v, random_index(1, 8, 64, 64, 16, 16, head_space="query", device=DEVICE), config={"pack": 2})
+    with pytest.raises(ValueError, match="GQA group"):
+        block_sparse_attention(q, k, v, random_index(1, 2, 64, 64, 16, 16, head_space="kv", device=DEVICE), config={"pack": 8})
+
+
 @pytest.mark.parametrize("head_space", ["query", "kv"])
 def test_head_map_launches_fill_one_output(head_space):
     """Two launches over disjoint head groups (one index each) fill a shared output like one launch would."""

@@ -1,9 +1,11 @@
 """Index-driven block-sparse flash-attention forward (Triton).
 
-One program computes one query block of one query head. It walks three lists from the BlockIndex:
-full key blocks (no mask at all), partial key blocks (causal, kv-length and optional window/sink mask)
-and gathered key columns (single tokens, causal), all merged into one online softmax. K and V are read
-through the KV head of the query head's GQA group: they are never repeated in memory.
+One program computes one query block of one query head, or of 2-4 heads of a GQA group stacked into one
+tile when a kv-space index gives them the same lists (each K/V tile loaded then serves them all). It walks
+three lists from the BlockIndex: full key blocks (no mask at all), partial key blocks (causal, kv-length
+and optional window/sink mask) and gathered key columns (single tokens, causal), all merged into one
+online softmax. K and V are read through the KV head of the query head's GQA group: they are never
+repeated in memory.
 
 Layouts: dense q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D] (torch SDPA and transformers order; any strides with
 a contiguous last dim). Varlen q [Tq, Hq, D], k/v [Tk, Hkv, D] with int32 cu_seqlens. Queries are
@@ -68,13 +70,17 @@ def _block_sparse_fwd(
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr, HAS_COL_MAP: tl.constexpr, STORE_MAPPED: tl.constexpr,
-    FULL_STARTS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr,
+    FULL_STARTS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr, PACK: tl.constexpr,
+    COL_TILE: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // heads_per_batch
-    r = pid_bh % heads_per_batch
+    # A program serves PACK consecutive query heads of one GQA group (one kv-space index row): their rows are
+    # stacked into one PACK * BLOCK_M tile, so each K/V tile loaded serves all of them.
+    packs_per_batch = heads_per_batch // PACK
+    b = pid_bh // packs_per_batch
+    r = (pid_bh % packs_per_batch) * PACK
     if USE_HEAD_MAP:
         # This launch serves a subset of heads: index head `slot` is head HEAD_MAP[slot] of its space.
         if INDEX_PER_KV:
@@ -105,7 +111,13 @@ def _block_sparse_fwd(
     if m_block * BLOCK_M >= q_len:
         return
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK > 1:
+        offs_p = tl.arange(0, PACK * BLOCK_M)
+        offs_m = m_block * BLOCK_M + offs_p % BLOCK_M
+        h_rows = h + offs_p // BLOCK_M  # each stacked row's query head
+    else:
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        h_rows = h
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
     row_ok = offs_m < q_len
@@ -130,14 +142,14 @@ def _block_sparse_fwd(
         # launcher's split-K pass over all its keys writes it.
         line_row = ((offs_m + g_stride - g_row_phase) % g_stride == 0) & (g_row_lines > 0)
         store_ok = row_ok & (line_row == 0)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + (q_start + q_rows).to(tl.int64)[:, None] * stride_qn + offs_d[None, :]
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + (h_rows.to(tl.int64) * stride_qh + (q_start + q_rows).to(tl.int64) * stride_qn)[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
     v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([PACK * BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([PACK * BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([PACK * BLOCK_M, BLOCK_D], dtype=tl.float32)
     never = offs_t < 0  # placeholder column mask for unmasked tiles
     cnt_off = b.to(tl.int64) * stride_cb + idx_h.to(tl.int64) * stride_ch + m_block * stride_cm
     SPLIT: tl.constexpr = BLOCK_N // TILE_N
@@ -204,11 +216,12 @@ def _block_sparse_fwd(
         col_base = COL_IDX + b.to(tl.int64) * stride_gb + idx_h.to(tl.int64) * stride_gh + m_block * stride_gm
         # Each tile's ids are loaded one step ahead, so its K/V gathers do not wait on a dependent id load
         # (H200, 32K, 4000 vertical lines: efficiency 0.47 -> 0.54; benchmarks/results/tune/).
-        cols_next = tl.load(col_base + offs_t, mask=offs_t < n_col, other=0)
-        for start in range(0, n_col, TILE_N):
-            live = start + offs_t < n_col
+        offs_c = tl.arange(0, COL_TILE)
+        cols_next = tl.load(col_base + offs_c, mask=offs_c < n_col, other=0)
+        for start in range(0, n_col, COL_TILE):
+            live = start + offs_c < n_col
             cols = cols_next
-            ahead = start + TILE_N + offs_t
+            ahead = start + COL_TILE + offs_c
             cols_next = tl.load(col_base + ahead, mask=ahead < n_col, other=0)
             if HAS_COL_MAP:
                 k_cols = tl.load(COL_MAP + cols, mask=live, other=0)
@@ -238,9 +251,9 @@ def _block_sparse_fwd(
         o_rows = q_rows  # written in original positions: no un-permute pass
     else:
         o_rows = offs_m
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + (q_start + o_rows).to(tl.int64)[:, None] * stride_on + offs_d[None, :]
+    o_ptrs = O + b.to(tl.int64) * stride_ob + (h_rows.to(tl.int64) * stride_oh + (q_start + o_rows).to(tl.int64) * stride_on)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=store_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (q_start + o_rows).to(tl.int64) * stride_ln
+    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h_rows.to(tl.int64) * stride_lh + (q_start + o_rows).to(tl.int64) * stride_ln
     tl.store(l_ptrs, lse, mask=store_ok)
 
 
@@ -258,6 +271,24 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, device: torch.devi
     if interpreting():
         return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 1}
     return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": torch.cuda.get_device_capability(device)[0] >= 9}
+
+
+def _pack(index: BlockIndex, group: int, head_dim: int, lines: GridLines | None) -> int:
+    """Query heads of one GQA group stacked into each program: up to 128 rows (block_m x pack) when one
+    kv-space index row serves them all, so every K/V tile loaded feeds twice (or 4x) the rows.
+
+    Measured on an H200 (benchmarks/tune_kernel.py --pack, bf16, d=128, 64 x 64 blocks, see RESULTS.md):
+    block top-k at 32K 0.62/0.67/0.71 -> 0.73/0.80/0.85 efficiency at 5/10/25%, at 128K 0.72/0.75/0.74 ->
+    0.89/0.94/0.98. Gathered columns go half as wide then (COL_TILE). Not for a grid head's lines (their
+    strided-column loop is tuned apart) nor past head_dim 128, whose accumulator alone would fill the
+    register file at 128 rows.
+    """
+    if index.head_space != "kv" or lines is not None or head_dim > 128:
+        return 1
+    pack = max(1, 128 // index.block_m)
+    while group % pack:
+        pack //= 2
+    return pack
 
 
 def _tma_eligible(k: torch.Tensor, v: torch.Tensor, varlen: bool, scattered: bool) -> bool:
@@ -346,7 +377,8 @@ def block_sparse_attention(
     heads: int32 [Hs] ids (in the index's head space) of the heads this launch computes; index row i is
     head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
-    config: launch overrides (TILE_N, num_warps, num_stages, tma) for tuning; None picks per device.
+    config: launch overrides (TILE_N, num_warps, num_stages, tma, pack: query heads stacked per program, kv
+    head space only) for tuning; None picks per device and index.
     row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
     admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq_r may exceed Nk_r.
     maps (dense layout; index.RegionMaps, made by kernels.region_maps or boundary.Region.maps): a region
@@ -408,8 +440,16 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
             _index_strides(lists)  # fold_runs reads them with a unit last stride, as the kernel does
         full_count, full_idx, partial_count, partial_idx = fold_runs(index, col_map)
         col_count = None if col_count is None else col_count.contiguous()  # counts share one stride set
+    group = q_heads // kv_heads
+    pack = launch.pop("pack", None)
+    pack = _pack(index, group, head_dim, lines) if pack is None else pack
+    if pack > 1 and (index.head_space != "kv" or group % pack):
+        raise ValueError(f"pack={pack} needs a kv head space index and a GQA group ({group}) it divides")
+    # 128 stacked rows against a full-width column tile spill registers in the gather loop (H200, 32K: 0.51 -> 0.31
+    # vertical-heavy); half-width tiles run it at 0.54 and the planted 1000v/2048s index at 0.64 -> 0.75.
+    launch.setdefault("COL_TILE", max(16, launch["TILE_N"] // pack))
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
-    grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch)
+    grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch // pack)
     _block_sparse_fwd[grid](
         q, k, v, out, lse, k_desc, v_desc,
         full_count, full_idx, partial_count, partial_idx,
@@ -424,12 +464,12 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(full_count), *_index_strides(full_idx),
         *_index_strides(partial_idx), *_index_strides(index.col_idx),
-        GROUP=q_heads // kv_heads, INDEX_PER_KV=index.head_space == "kv",
+        GROUP=group, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
         USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
         HAS_ROW_MAP=row_map is not None, HAS_COL_MAP=col_map is not None, STORE_MAPPED=store_mapped,
-        FULL_STARTS=full_starts, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, **launch,
+        FULL_STARTS=full_starts, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, PACK=pack, **launch,
     )
     if lines is not None and lines.row_lines:
         _line_rows(q, k, v, lines, heads, index.head_space, scale, out, lse)
