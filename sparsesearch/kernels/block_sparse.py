@@ -216,7 +216,10 @@ def _block_sparse_fwd(
         col_base = COL_IDX + b.to(tl.int64) * stride_gb + idx_h.to(tl.int64) * stride_gh + m_block * stride_gm
         # Each tile's ids are loaded one step ahead, so its K/V gathers do not wait on a dependent id load
         # (H200, 32K, 4000 vertical lines: efficiency 0.47 -> 0.54; benchmarks/results/tune/).
-        offs_c = tl.arange(0, COL_TILE)
+        if COL_TILE == TILE_N:
+            offs_c = offs_t
+        else:
+            offs_c = tl.arange(0, COL_TILE)
         cols_next = tl.load(col_base + offs_c, mask=offs_c < n_col, other=0)
         for start in range(0, n_col, COL_TILE):
             live = start + offs_c < n_col
