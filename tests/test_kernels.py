@@ -316,6 +316,17 @@ def test_stacked_gqa_heads_are_bitwise_equal(varlen):
             torch.testing.assert_close(got[1], one[1], atol=1e-4, rtol=1e-5, msg=f"pack {pack}")
 
 
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_narrow_column_tiles_at_128_rows(block_m):
+    """At 128 rows per program (2 stacked 64-row heads, or one 128-row block) gathered columns go in tiles half
+    as wide as the key tiles: ragged column lists over several such tiles match the oracle."""
+    q, k, v = qkv(1, 4, 2, 300, 300, 64, torch.float16, seed=8)
+    index = random_index(1, 2, 300, 300, block_m, 64, columns=75, head_space="kv", seed=3, device=DEVICE)
+    assert int(index.col_count.max()) > 64  # more than two 32-wide column tiles in some block
+    out, lse = block_sparse_attention(q, k, v, index, config={"TILE_N": 64, "num_warps": 4, "num_stages": 1})
+    assert_close(out, lse, q, k, v, index_mask_fn(index, 300, 300, group=2))
+
+
 def test_pack_choice_and_bad_pack():
     """Heads stack up to 128 rows, only for a kv-space index and head_dim <= 128, and only in packs that divide
     the GQA group; an explicit pack that cannot apply is a ValueError before launch."""

@@ -448,9 +448,11 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     pack = _pack(index, group, head_dim, lines) if pack is None else pack
     if pack > 1 and (index.head_space != "kv" or group % pack):
         raise ValueError(f"pack={pack} needs a kv head space index and a GQA group ({group}) it divides")
-    # 128 stacked rows against a full-width column tile spill registers in the gather loop (H200, 32K: 0.51 -> 0.31
-    # vertical-heavy); half-width tiles run it at 0.54 and the planted 1000v/2048s index at 0.64 -> 0.75.
-    launch.setdefault("COL_TILE", max(16, launch["TILE_N"] // pack))
+    # 128 rows (stacked or one 128-row block) against a full-width column tile spill registers in the gather loop
+    # (H200, 32K: 0.51 -> 0.31 vertical-heavy at 2 x 64 rows); half-width tiles run it at 0.54 and the planted
+    # 1000v/2048s index at 0.64 -> 0.75.
+    wide = index.block_m * pack >= 128
+    launch.setdefault("COL_TILE", max(16, launch["TILE_N"] // 2) if wide else launch["TILE_N"])
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
     grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch // pack)
     _block_sparse_fwd[grid](
