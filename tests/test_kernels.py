@@ -333,10 +333,10 @@ def test_pack_choice_and_bad_pack():
     from sparsesearch.kernels.block_sparse import _pack
 
     kv = random_index(1, 2, 64, 64, 64, 64, head_space="kv", device=DEVICE)
-    assert _pack(kv, 4, 128, None) == 2 and _pack(kv, 3, 128, None) == 1 and _pack(kv, 4, 256, None) == 1
-    assert _pack(replace(kv, block_m=16), 6, 64, None) == 2 and _pack(replace(kv, block_m=128), 4, 128, None) == 1
-    assert _pack(random_index(1, 2, 64, 64, 64, 64, columns=2, head_space="kv", device=DEVICE), 4, 128, None) == 2
-    assert _pack(random_index(1, 8, 64, 64, 64, 64, head_space="query", device=DEVICE), 4, 128, None) == 1
+    assert _pack(kv, 4, 128) == 2 and _pack(kv, 3, 128) == 1 and _pack(kv, 4, 256) == 1
+    assert _pack(replace(kv, block_m=16), 6, 64) == 2 and _pack(replace(kv, block_m=128), 4, 128) == 1
+    assert _pack(random_index(1, 2, 64, 64, 64, 64, columns=2, head_space="kv", device=DEVICE), 4, 128) == 2
+    assert _pack(random_index(1, 8, 64, 64, 64, 64, head_space="query", device=DEVICE), 4, 128) == 1
     q, k, v = qkv(1, 8, 2, 64, 64, 64, torch.float16)
     with pytest.raises(ValueError, match="pack=2 needs a kv head space"):
         block_sparse_attention(q, k, v, random_index(1, 8, 64, 64, 16, 16, head_space="query", device=DEVICE), config={"pack": 2})

@@ -269,6 +269,20 @@ def test_grid_lines_in_kernel_equal_their_definition(q_len, kv_len, params, back
     assert bool(out[:, :2].isnan().all()) and relative_error(out[:, 2:], ref[:, 2:]) < tol
 
 
+def test_grid_lines_at_128_rows_per_program():
+    """64-row blocks over a GQA group of 2: two heads per program (128 rows), so the strided line columns go in
+    half-width tiles; a ragged count of line keys per block still equals the oracle."""
+    params = grid.GridParams(stride=3, phase=1, local=40)
+    q, k, v = qkv(400)
+    index, lines = grid.build_lines_index(params, 400, 400, batch=2, heads=2, block_m=64, block_n=64, head_space="kv", device=DEVICE)
+    assert int(lines.line_cols.max()) > 64  # more than two 32-wide tiles of line columns in some block
+    out, lse = block_sparse_attention(q, k, v, index, scale=SCALE, lines=lines)
+    mask = grid.lines_mask(params, 400, 400, block_m=64, block_n=64).to(DEVICE)
+    ref, ref_lse = masked_attention(q, k, v, lambda r: mask[r][None, None], scale=SCALE)
+    tol = error_floor(torch.float32, DEVICE)
+    assert relative_error(out, ref) < tol and float((lse - ref_lse).abs().max()) < 10 * tol
+
+
 def test_grid_lines_bf16_in_the_interpreter_and_the_explicit_columns_agree():
     """bf16 against the oracle; and the same index with its line columns as explicit gathered ids
     (index.explicit_lines, the plain kernel's column path) gives the same rows but the line rows."""

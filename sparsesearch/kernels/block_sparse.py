@@ -120,6 +120,10 @@ def _block_sparse_fwd(
         h_rows = h
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
+    if COL_TILE == TILE_N:
+        offs_c = offs_t  # single-token columns (gathered ids, grid lines) go COL_TILE at a time
+    else:
+        offs_c = tl.arange(0, COL_TILE)
     row_ok = offs_m < q_len
     if HAS_ROW_MAP:
         # Permuted rows read in place: row i of the region is row ROW_MAP[i] of q (and of out/lse).
@@ -216,10 +220,6 @@ def _block_sparse_fwd(
         col_base = COL_IDX + b.to(tl.int64) * stride_gb + idx_h.to(tl.int64) * stride_gh + m_block * stride_gm
         # Each tile's ids are loaded one step ahead, so its K/V gathers do not wait on a dependent id load
         # (H200, 32K, 4000 vertical lines: efficiency 0.47 -> 0.54; benchmarks/results/tune/).
-        if COL_TILE == TILE_N:
-            offs_c = offs_t
-        else:
-            offs_c = tl.arange(0, COL_TILE)
         cols_next = tl.load(col_base + offs_c, mask=offs_c < n_col, other=0)
         for start in range(0, n_col, COL_TILE):
             live = start + offs_c < n_col
@@ -238,9 +238,9 @@ def _block_sparse_fwd(
 
     if GRID_COLS:
         # The vertical lines' keys: col_phase + stride * i, addresses by arithmetic (no id loads).
-        for start in range(0, n_line, TILE_N):
-            live = start + offs_t < n_line
-            cols = g_col_phase + g_stride * (start + offs_t)
+        for start in range(0, n_line, COL_TILE):
+            live = start + offs_c < n_line
+            cols = g_col_phase + g_stride * (start + offs_c)
             ok = live[None, :] & (cols[None, :] <= pos[:, None])
             kt = load_kv_tile(k_base, cols, stride_kn, offs_d, live, HEAD_DIM, BLOCK_D, True, True)
             vt = load_kv_tile(v_base, cols, stride_vn, offs_d, live, HEAD_DIM, BLOCK_D, True, False)
@@ -276,17 +276,16 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, device: torch.devi
     return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": torch.cuda.get_device_capability(device)[0] >= 9}
 
 
-def _pack(index: BlockIndex, group: int, head_dim: int, lines: GridLines | None) -> int:
+def _pack(index: BlockIndex, group: int, head_dim: int) -> int:
     """Query heads of one GQA group stacked into each program: up to 128 rows (block_m x pack) when one
     kv-space index row serves them all, so every K/V tile loaded feeds twice (or 4x) the rows.
 
     Measured on an H200 (benchmarks/tune_kernel.py --pack, bf16, d=128, 64 x 64 blocks, see RESULTS.md):
     block top-k at 32K 0.62/0.67/0.71 -> 0.73/0.80/0.85 efficiency at 5/10/25%, at 128K 0.72/0.75/0.74 ->
-    0.89/0.94/0.98. Gathered columns go half as wide then (COL_TILE). Not for a grid head's lines (their
-    strided-column loop is tuned apart) nor past head_dim 128, whose accumulator alone would fill the
-    register file at 128 rows.
+    0.89/0.94/0.98. Gathered columns and a grid head's strided line columns go half as wide then (COL_TILE).
+    Not past head_dim 128, whose accumulator alone would fill the register file at 128 rows.
     """
-    if index.head_space != "kv" or lines is not None or head_dim > 128:
+    if index.head_space != "kv" or head_dim > 128:
         return 1
     pack = max(1, 128 // index.block_m)
     while group % pack:
@@ -445,7 +444,7 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
         col_count = None if col_count is None else col_count.contiguous()  # counts share one stride set
     group = q_heads // kv_heads
     pack = launch.pop("pack", None)
-    pack = _pack(index, group, head_dim, lines) if pack is None else pack
+    pack = _pack(index, group, head_dim) if pack is None else pack
     if pack > 1 and (index.head_space != "kv" or group % pack):
         raise ValueError(f"pack={pack} needs a kv head space index and a GQA group ({group}) it divides")
     # 128 rows (stacked or one 128-row block) against a full-width column tile spill registers in the gather loop
