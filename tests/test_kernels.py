@@ -342,6 +342,9 @@ def test_pack_choice_and_bad_pack():
         block_sparse_attention(q, k, v, random_index(1, 8, 64, 64, 16, 16, head_space="query", device=DEVICE), config={"pack": 2})
     with pytest.raises(ValueError, match="GQA group"):
         block_sparse_attention(q, k, v, random_index(1, 2, 64, 64, 16, 16, head_space="kv", device=DEVICE), config={"pack": 8})
+    for bad in (0, 3, 2.0):
+        with pytest.raises(ValueError, match="power of two"):
+            block_sparse_attention(q, k, v, random_index(1, 2, 64, 64, 16, 16, head_space="kv", device=DEVICE), config={"pack": bad})
 
 
 @pytest.mark.parametrize("head_space", ["query", "kv"])

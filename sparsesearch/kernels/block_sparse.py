@@ -214,7 +214,7 @@ def _block_sparse_fwd(
             ok = ok & ~((cols[None, :] < col_hi) & ((cols[None, :] + g_stride - g_col_phase) % g_stride == 0))
         m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
 
-    # Gathered columns (vertical lines outside every listed block), TILE_N at a time.
+    # Gathered columns (vertical lines outside every listed block), COL_TILE at a time.
     if HAS_COLS:
         n_col = tl.load(COL_CNT + cnt_off)
         col_base = COL_IDX + b.to(tl.int64) * stride_gb + idx_h.to(tl.int64) * stride_gh + m_block * stride_gm
@@ -445,6 +445,8 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     group = q_heads // kv_heads
     pack = launch.pop("pack", None)
     pack = _pack(index, group, head_dim) if pack is None else pack
+    if not isinstance(pack, int) or pack < 1 or pack & (pack - 1):
+        raise ValueError(f"pack must be a power of two >= 1 (query heads per program), got {pack!r}")
     if pack > 1 and (index.head_space != "kv" or group % pack):
         raise ValueError(f"pack={pack} needs a kv head space index and a GQA group ({group}) it divides")
     # 128 rows (stacked or one 128-row block) against a full-width column tile spill registers in the gather loop
