@@ -5,7 +5,8 @@
 Prints, per length, block size and index (all causal blocks, and block top-k at each requested density of
 the causal blocks, kv head space as the runtime uses it), the time and efficiency (computed density x SDPA
 time / kernel time, SDPA over the same q/k/v measured once per length) of every (TILE_N, num_warps,
-num_stages, TMA loads of full tiles off/on) that compiles.
+num_stages, TMA loads of full tiles off/on, query heads stacked per program, gathered-column tile width) that
+compiles.
 """
 
 from __future__ import annotations
