@@ -98,6 +98,7 @@ def make_cases(n: int, q, k, args):
     h_kv = k.shape[1]
     dev = q.device
     cases = []
+    a = ashape.AShapeParams(sink=128, local=4096)
     # 128-blocks: the rows of Runs 1-6; 64-blocks: what the search spaces and the runtime use (GQA heads stacked).
     for block, suffix in ((128, ""), (64, "_b64")):
         causal_blocks = triton.cdiv(n, block) / 2
@@ -106,7 +107,6 @@ def make_cases(n: int, q, k, args):
             params = block_topk.BlockTopKParams(k_blocks=kb, sink_blocks=1)
             cases.append((f"block_topk_{int(target * 100)}pct{suffix}", {"k_blocks": kb, "block": block},
                           lambda p=params, b=block: (block_topk.build_index(p, q, k, head_space="kv", block_m=b, block_n=b), None, "causal", None)))
-        a = ashape.AShapeParams(sink=128, local=4096)
         cases.append((f"ashape_128_4096{suffix}", {"sink": 128, "local": 4096, "block": block},
                       lambda b=block: (ashape.build_index(a, n, heads=h_kv, block_m=b, block_n=b, head_space="kv", device=dev), None, ashape.predicate(a), None)))
     gen = torch.Generator().manual_seed(0)

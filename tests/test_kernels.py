@@ -290,8 +290,8 @@ def test_launch_variants_are_bitwise_equal(head_space, variant, window):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_stacked_gqa_heads_are_bitwise_equal(varlen):
     """Programs that stack 2 or 4 query heads of a GQA group (one kv-space index row) give the bits of one head
-    per program (on a GPU, that within the MMA's rounding): batch 2 (varlen: uneven lengths), a head map, a window, gathered columns (in narrower tiles)
-    and partial blocks past the edge."""
+    per program (on a GPU, that within the MMA's rounding): batch 2 (varlen: uneven lengths), a head map, a
+    window, gathered columns and partial blocks past the edge."""
     base = {"TILE_N": 16, "num_warps": 4, "num_stages": 1}
     heads = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     if varlen:

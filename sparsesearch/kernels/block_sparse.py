@@ -120,10 +120,7 @@ def _block_sparse_fwd(
         h_rows = h
     offs_d = tl.arange(0, BLOCK_D)
     offs_t = tl.arange(0, TILE_N)
-    if COL_TILE == TILE_N:
-        offs_c = offs_t  # single-token columns (gathered ids, grid lines) go COL_TILE at a time
-    else:
-        offs_c = tl.arange(0, COL_TILE)
+    offs_c = tl.arange(0, COL_TILE)  # single-token columns (gathered ids, grid lines) go COL_TILE at a time
     row_ok = offs_m < q_len
     if HAS_ROW_MAP:
         # Permuted rows read in place: row i of the region is row ROW_MAP[i] of q (and of out/lse).
