@@ -30,6 +30,11 @@ the longest sequence):
 
 Entries past a count are padding (0) and are never read. ``head_space`` says whether ``H`` counts query
 heads ("query") or KV heads ("kv": every query head of a GQA group shares its KV head's index).
+
+``col_table`` (optional, a ``ColumnTable``) states the gathered columns a second way, for kernels: each head's
+columns as one ascending table, and per query block which of its slots the block uses. It names the same
+keys as ``col_idx``; a kernel that can reads the table's K/V rows as contiguous tiles of a compact copy
+instead of gathering token by token. Anything that cannot carry it drops it (the lists stay the truth).
 """
 
 from __future__ import annotations
@@ -40,6 +45,57 @@ import torch
 
 HEAD_SPACES = ("query", "kv")
 BLOCK_SIZES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class ColumnTable:
+    """A head's gathered columns as slots of one table (see the module docstring).
+
+    * ``ids``   int32 [B, H, V]        each head's column ids, ascending (slots past its real count: padding)
+    * ``bits``  int32 [B, H, QB, W]    W = ceil(V / 32): query block uses slot s iff bit s % 32 of word s // 32
+    * ``clean`` int32 [B, H, QB]       slots [0, clean) are all used and causal for every row of the block
+      (id <= the block's first row position): a kernel reads them with no mask
+    * ``span``  int32 [B, H, QB]       no slot >= span is used
+
+    For query block q, {ids[s] : slot s used} equals ``col_idx[q, :col_count[q]]`` as a set.
+    """
+
+    ids: torch.Tensor
+    bits: torch.Tensor
+    clean: torch.Tensor
+    span: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.dim() != 3 or self.bits.dim() != 4:
+            raise ValueError(f"col_table ids must be [B, H, V] and bits [B, H, QB, W], got {tuple(self.ids.shape)} and {tuple(self.bits.shape)}")
+        shape = tuple(self.bits.shape[:3])
+        if tuple(self.ids.shape[:2]) != shape[:2] or self.bits.shape[3] != -(-self.ids.shape[2] // 32):
+            raise ValueError(f"col_table bits {tuple(self.bits.shape)} do not fit ids {tuple(self.ids.shape)} (W = ceil(V / 32))")
+        for name in ("ids", "bits", "clean", "span"):
+            t = getattr(self, name)
+            if t.dtype != torch.int32 or t.device != self.ids.device:
+                raise ValueError(f"col_table {name} must be int32 on {self.ids.device}, got {t.dtype} on {t.device}")
+            if name in ("clean", "span") and tuple(t.shape) != shape:
+                raise ValueError(f"col_table {name} must have shape {shape}, got {tuple(t.shape)}")
+
+    def map(self, fn) -> "ColumnTable":
+        """The table with ``fn(name, tensor)`` applied to each of its tensors."""
+        return ColumnTable(**{name: fn(name, getattr(self, name)) for name in ("ids", "bits", "clean", "span")})
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., V] -> int32 [..., ceil(V / 32)]: bit s % 32 of word s // 32 is mask[..., s]."""
+    words = -(-mask.shape[-1] // 32)
+    padded = torch.nn.functional.pad(mask, (0, words * 32 - mask.shape[-1])).view(*mask.shape[:-1], words, 32)
+    # Bit 31 as int32's -2^31: the bits are disjoint, so their int32 sum is their OR and never overflows.
+    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=mask.device)
+    return (padded.to(torch.int32) * weights).sum(-1, dtype=torch.int32)
+
+
+def unpack_bits(bits: torch.Tensor, slots: int) -> torch.Tensor:
+    """int32 [..., W] -> bool [..., slots], the inverse of ``pack_bits``."""
+    s = torch.arange(slots, device=bits.device)
+    return ((bits[..., s // 32] >> (s % 32)) & 1).bool()
 
 
 @dataclass(frozen=True)
@@ -56,6 +112,7 @@ class BlockIndex:
     window: int = -1
     sink: int = 0
     meta: dict = field(default_factory=dict, compare=False)
+    col_table: ColumnTable | None = None
 
     def __post_init__(self) -> None:
         if self.head_space not in HEAD_SPACES:
@@ -86,6 +143,11 @@ class BlockIndex:
                     raise ValueError(f"{name} tensors must be int32, got {tensor.dtype}")
                 if tensor.device != self.full_count.device:
                     raise ValueError(f"{name} tensors are on {tensor.device}, full_count on {self.full_count.device}")
+        if self.col_table is not None:
+            if self.col_count is None:
+                raise ValueError("a col_table needs the column lists it restates (col_count, col_idx)")
+            if tuple(self.col_table.span.shape) != shape or self.col_table.ids.device != self.full_count.device:
+                raise ValueError(f"col_table must be [B, H, QB] = {shape} on {self.full_count.device}, got {tuple(self.col_table.span.shape)} on {self.col_table.ids.device}")
 
     @property
     def batch(self) -> int:
@@ -109,6 +171,8 @@ class BlockIndex:
             for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
             if getattr(self, name) is not None
         }
+        if self.col_table is not None:
+            moved["col_table"] = self.col_table.map(lambda _, t: t.to(device))
         return replace(self, **moved)
 
     def expand_batch(self, batch: int) -> "BlockIndex":
@@ -122,6 +186,8 @@ class BlockIndex:
             for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
             if getattr(self, name) is not None
         }
+        if self.col_table is not None:
+            grown["col_table"] = self.col_table.map(lambda _, t: t.expand(batch, *t.shape[1:]))
         return replace(self, **grown)
 
     def computed_blocks(self) -> torch.Tensor:
@@ -292,6 +358,8 @@ def select_q_blocks(index: BlockIndex, q_blocks: torch.Tensor) -> BlockIndex:
         for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
         if getattr(index, name) is not None
     }
+    if index.col_table is not None:
+        picked["col_table"] = index.col_table.map(lambda name, t: t if name == "ids" else t.index_select(2, q_blocks))
     return replace(index, **picked)
 
 
@@ -382,6 +450,33 @@ def validate(index: BlockIndex, q_lens: list[int] | int, kv_lens: list[int] | in
         covered = (full | partial).repeat_interleave(cpu.block_n, dim=-1)[..., : cols.shape[-1]]
         if bool((cols & covered).any()):
             raise ValueError("a gathered column lies inside a listed key block")
+        if cpu.col_table is not None:
+            _validate_table(cpu, cols, q_lens, kv_lens)
+
+
+def _validate_table(index: BlockIndex, cols: torch.Tensor, q_lens: list[int], kv_lens: list[int]) -> None:
+    """The column table names the column lists' keys (``cols``: bool [B, H, QB, N]), its ids ascend and
+    lie in range, and its clean prefix and span hold."""
+    table = index.col_table
+    slots = table.ids.shape[-1]
+    used = unpack_bits(table.bits, slots)  # [B, H, QB, V]
+    s = torch.arange(slots)
+    if bool((used & (s >= table.span[..., None])).any()):
+        raise ValueError("col_table uses a slot at or past its span")
+    for b in range(index.batch):
+        ids = table.ids[b].long()  # [H, V]
+        live = used[b].any(1)  # [H, V]: slots some block uses
+        ascending = (ids[:, 1:] > ids[:, :-1]) | ~live[:, 1:]
+        if bool((~ascending).any()) or bool(((ids < 0) | (ids >= kv_lens[b]))[live].any()):
+            raise ValueError(f"sequence {b}: col_table ids must ascend and lie in [0, {kv_lens[b]}) where used")
+        named = torch.zeros(*used.shape[1:3], kv_lens[b] + 1, dtype=torch.bool)
+        named.scatter_(-1, torch.where(used[b], ids[:, None, :].clamp(0, kv_lens[b]), kv_lens[b]).expand_as(used[b]), True)
+        if not torch.equal(named[..., : kv_lens[b]], cols[b, :, :, : kv_lens[b]]):
+            raise ValueError(f"sequence {b}: col_table names other keys than the column lists")
+        first_pos = torch.arange(index.q_blocks) * index.block_m + kv_lens[b] - q_lens[b]  # [QB]
+        in_clean = s < table.clean[b][..., None]  # [H, QB, V]
+        if bool((in_clean & ~(used[b] & (ids[:, None, :] <= first_pos[None, :, None]))).any()):
+            raise ValueError(f"sequence {b}: col_table's clean prefix holds a slot that is unused or not causal for every row")
 
 
 def stack(indices: list[BlockIndex], dim: int = 0) -> BlockIndex:
@@ -424,7 +519,19 @@ def stack(indices: list[BlockIndex], dim: int = 0) -> BlockIndex:
         full_count=cat("full_count", False), full_idx=cat("full_idx", True),
         partial_count=cat("partial_count", False), partial_idx=cat("partial_idx", True),
         col_count=cat("col_count", False), col_idx=cat("col_idx", True),
+        col_table=_stack_tables([i.col_table for i in indices], pad, dim),
     )
+
+
+def _stack_tables(tables: list[ColumnTable | None], pad, dim: int) -> ColumnTable | None:
+    """The column tables of stacked indices, slots padded to the widest (unused: their bits are 0); None
+    when any index has none (the column lists still hold every column)."""
+    if any(t is None for t in tables):
+        return None
+    slots = max(t.ids.shape[-1] for t in tables)
+    ids = torch.cat([torch.nn.functional.pad(t.ids, (0, slots - t.ids.shape[-1])) for t in tables], dim=dim)
+    bits = torch.cat([pad(t.bits, -(-slots // 32)) for t in tables], dim=dim)
+    return ColumnTable(ids, bits, *(torch.cat([pad(getattr(t, name), None) for t in tables], dim=dim) for name in ("clean", "span")))
 
 
 def explicit_lines(index: BlockIndex, lines: GridLines) -> BlockIndex:

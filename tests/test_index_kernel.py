@@ -40,6 +40,11 @@ def assert_same_index(got, want):
         assert (a is None) == (b is None), name
         if a is not None:
             assert a.shape == b.shape and torch.equal(a, b), name
+    assert (got.col_table is None) == (want.col_table is None)
+    if got.col_table is not None:  # vertical-slash: the columns restated as table slots (index.ColumnTable)
+        for name in ("ids", "bits", "clean", "span"):
+            a, b = getattr(got.col_table, name), getattr(want.col_table, name)
+            assert a.shape == b.shape and torch.equal(a, b), f"col_table.{name}"
     assert (got.block_m, got.block_n, got.head_space) == (want.block_m, want.block_n, want.head_space)
 
 
@@ -285,7 +290,8 @@ def test_fused_vertical_slash_walks_tiles_and_merges_stats(monkeypatch, space, b
     monkeypatch.setattr(index_build, "VS_INDEX_TILE", 4)
     monkeypatch.setattr(index_build, "VS_CHUNK", 64)
     monkeypatch.setattr(index_build, "VS_MERGE_TILE", 2)
-    params = vertical_slash.VerticalSlashParams(vertical_size=10, slash_size=slash, last_q=16, force_vertical=2, force_slash=1)
+    # 70 verticals: three tiles of the column walk, which never goes below 32 lanes (one table word per 32).
+    params = vertical_slash.VerticalSlashParams(vertical_size=70, slash_size=slash, last_q=16, force_vertical=2, force_slash=1)
     q, k = separated_qk(params, 2, 4, 2, 300, 333, space)
     got, want = vs_pair(params, q, k, space, block_m, block_n)
     assert_same_index(got, want)

@@ -18,6 +18,7 @@ from sparsesearch.index import BlockIndex, stack, validate
 from sparsesearch.kernels import block_sparse_attention, tail_attention, triangle_attention
 from sparsesearch.merge import merge_partials, merge_two
 from sparsesearch.kernels.torch_sparse import block_sparse_attention_torch
+from sparsesearch.patterns import vertical_slash
 from sparsesearch.reference import error_floor, index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
 FLOOR = {dtype: error_floor(dtype, DEVICE) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
@@ -345,6 +346,90 @@ def test_pack_choice_and_bad_pack():
     for bad in (0, 3, 2.0):
         with pytest.raises(ValueError, match="power of two"):
             block_sparse_attention(q, k, v, random_index(1, 2, 64, 64, 16, 16, head_space="kv", device=DEVICE), config={"pack": bad})
+
+
+def vs_lines(batch, heads, q_len, kv_len, n_vert, n_slash, head_space, seed=1, reach=None):
+    """Random vertical-slash lines: n_vert distinct columns and n_slash distinct offsets (below ``reach``) per
+    head, unsorted."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda n, top: torch.stack([torch.randperm(top, generator=gen)[:n] for _ in range(batch * heads)]).view(batch, heads, n)
+    return vertical_slash.VSLines(vertical=pick(n_vert, kv_len).to(DEVICE), slash=pick(n_slash, reach or kv_len).to(DEVICE),
+                                  q_len=q_len, kv_len=kv_len, head_space=head_space)
+
+
+@pytest.mark.parametrize("head_space", ["query", "kv"])
+@pytest.mark.parametrize("block_m, block_n, n_slash, reach", [(64, 64, 3, 40), (16, 32, 7, None), (128, 64, 2, 40), (32, 16, 4, None)])
+def test_column_table_matches_oracle(head_space, block_m, block_n, n_slash, reach):
+    """Columns read from the column table's slabs (index.ColumnTable: clean runs unmasked, the rest masked by
+    the slots' bits) equal the oracle, and the launch reads the table: with its bits zeroed the output moves,
+    with ``col_table: False`` the column lists give the same keys."""
+    q_heads, kv_heads = 4, 2
+    q, k, v = qkv(2, q_heads, kv_heads, 300, 333, 64, torch.float16, seed=3)
+    heads = kv_heads if head_space == "kv" else q_heads
+    # Slashes near the diagonal leave long clean runs (whole unmasked tiles); far ones break runs into masked slots.
+    lines = vs_lines(2, heads, 300, 333, 120, n_slash, head_space, reach=reach)
+    index = vertical_slash.index_from_lines(lines, block_m=block_m, block_n=block_n)
+    validate(index, 300, 333)
+    table = index.col_table
+    assert bool((table.span > table.clean).any())
+    assert int(table.clean.max()) >= 64 if reach else bool((table.clean < table.span - 5).any())
+    mask_fn = index_mask_fn(index, 300, 333, group=q_heads // kv_heads if head_space == "kv" else 1)
+    out, lse = block_sparse_attention(q, k, v, index)
+    assert_close(out, lse, q, k, v, mask_fn)
+    listed = block_sparse_attention(q, k, v, index, config={"col_table": False, "TILE_N": min(block_n, 64), "num_warps": 4, "num_stages": 1})
+    assert_close(*listed, q, k, v, mask_fn)
+    blank = replace(index, col_table=table.map(lambda name, t: torch.zeros_like(t) if name == "bits" else t))
+    assert not torch.allclose(block_sparse_attention(q, k, v, blank)[0], out)
+
+
+def test_column_table_with_head_map_expanded_batch_and_fallbacks():
+    """The table's slabs follow a head map (each index row's own KV head) and a batch-expanded index; a
+    varlen launch, whose frame the table does not describe, reads the column lists instead."""
+    q, k, v = qkv(2, 8, 2, 200, 200, 64, torch.bfloat16, seed=5)
+    lines = vs_lines(1, 8, 200, 200, 60, 2, "query", seed=2)
+    index = vertical_slash.index_from_lines(lines, block_m=32, block_n=32)
+    served = torch.tensor([6, 1, 3], dtype=torch.int32, device=DEVICE)
+    sub = replace(index, **{n: getattr(index, n)[:, served.long()] for n in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")},
+                  col_table=index.col_table.map(lambda _, t: t[:, served.long()]))
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], -1.0, device=DEVICE)
+    block_sparse_attention(q, k, v, sub.expand_batch(2), heads=served, out=out, lse=lse)
+    want = block_sparse_attention(q, k, v, index.expand_batch(2), config={"col_table": False, "TILE_N": 32, "num_warps": 4, "num_stages": 1})
+    for h in range(8):
+        if h in served.tolist():
+            torch.testing.assert_close(out[:, h], want[0][:, h], atol=2e-2, rtol=0)
+        else:
+            assert bool((out[:, h] == 0).all())
+    cu = torch.tensor([0, 200, 400], dtype=torch.int32, device=DEVICE)
+    flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+    got, _ = block_sparse_attention(flat(q), flat(k), flat(v), index.expand_batch(2), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    torch.testing.assert_close(got, flat(want[0]), atol=2e-2, rtol=0)
+
+
+def test_column_table_survives_index_ops_and_validate_catches_a_wrong_one():
+    """to/expand_batch/select_q_blocks/stack carry the table (stack pads slots with unused ones) and keep it
+    valid; a table naming other keys than the lists, or a clean run over a non-causal slot, is refused."""
+    from sparsesearch.index import select_q_blocks
+
+    a = vertical_slash.index_from_lines(vs_lines(1, 2, 100, 100, 20, 2, "kv", seed=3), block_m=16, block_n=16)
+    b = vertical_slash.index_from_lines(vs_lines(1, 2, 100, 100, 37, 2, "kv", seed=4), block_m=16, block_n=16)
+    both = stack([a, b], dim=1)
+    assert both.col_table.ids.shape == (1, 4, 37) and both.col_table.bits.shape == (1, 4, 7, 2)
+    validate(both, 100)
+    validate(a.expand_batch(3).to("cpu"), 100)
+    picked = select_q_blocks(a, torch.tensor([6, 2], device=DEVICE))
+    assert torch.equal(picked.col_table.span, a.col_table.span[:, :, [6, 2]])
+    assert stack([a, replace(b, col_table=None)], dim=1).col_table is None
+    table = a.col_table
+    flipped = replace(a, col_table=table.map(lambda n, t: t ^ 1 if n == "bits" else t))
+    with pytest.raises(ValueError, match="other keys"):
+        validate(flipped, 100)
+    assert bool((table.clean > 0).any())
+    late = replace(a, col_table=table.map(lambda n, t: torch.where(t > 0, table.ids.shape[-1], t) if n == "clean" else t))
+    with pytest.raises(ValueError, match="clean prefix"):
+        validate(late, 100)
+    with pytest.raises(ValueError, match="col_table bits"):
+        replace(a, col_table=table.map(lambda n, t: t[..., :0] if n == "bits" else t))
 
 
 @pytest.mark.parametrize("head_space", ["query", "kv"])

@@ -46,6 +46,8 @@ _GENERIC_ARGS = (
     "g_stride", "g_row_phase", "g_row_lines", "g_col_phase", "stride_lb", "stride_lh",
     "stride_cb", "stride_ch", "stride_cm", "stride_fb", "stride_fh", "stride_fm",
     "stride_pb", "stride_ph", "stride_pm", "stride_gb", "stride_gh", "stride_gm",
+    "TAB_IDS", "TAB_BITS", "TAB_CLEAN", "TAB_SPAN", "n_slots", "idx_heads",
+    "stride_ib", "stride_ih", "stride_wb", "stride_wh", "stride_wm", "stride_tb", "stride_th", "stride_tm",
 )
 
 
@@ -54,6 +56,7 @@ def _block_sparse_fwd(
     Q, K, V, O, LSE, K_DESC, V_DESC,
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
     CU_Q, CU_K, HEAD_MAP, ROW_POS, ROW_MAP, COL_MAP, LINE_CNT,
+    TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, KC, VC, KC_DESC, VC_DESC, n_slots, idx_heads,
     qk_scale, q_len_max, kv_len_max, window, sink, heads_per_batch, pos_shift,
     g_stride, g_row_phase, g_row_lines, g_col_phase,
     stride_qb, stride_qh, stride_qn,
@@ -65,13 +68,14 @@ def _block_sparse_fwd(
     stride_fb, stride_fh, stride_fm,
     stride_pb, stride_ph, stride_pm,
     stride_gb, stride_gh, stride_gm,
+    stride_ib, stride_ih, stride_wb, stride_wh, stride_wm, stride_tb, stride_th, stride_tm,
     GROUP: tl.constexpr, INDEX_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, VARLEN: tl.constexpr, HAS_COLS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     USE_HEAD_MAP: tl.constexpr, HAS_ROW_POS: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr, HAS_COL_MAP: tl.constexpr, STORE_MAPPED: tl.constexpr,
     FULL_STARTS: tl.constexpr, USE_TMA: tl.constexpr, GRID: tl.constexpr, GRID_COLS: tl.constexpr, PACK: tl.constexpr,
-    COL_TILE: tl.constexpr,
+    COL_TILE: tl.constexpr, COL_TABLE: tl.constexpr, TABLE_TMA: tl.constexpr,
 ):
     # Heaviest (last) query blocks first: under causal-like patterns they have the most key blocks.
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -231,6 +235,43 @@ def _block_sparse_fwd(
                 ok = live[None, :] & (cols[None, :] <= pos[:, None])
             kt = load_kv_tile(k_base, k_cols, stride_kn, offs_d, live, HEAD_DIM, BLOCK_D, True, True)
             vt = load_kv_tile(v_base, k_cols, stride_vn, offs_d, live, HEAD_DIM, BLOCK_D, True, False)
+            m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
+
+    if COL_TABLE:
+        # The columns as slots of the head's table (index.ColumnTable): the launcher copied the slots' K/V rows
+        # into a contiguous [n_slots, D] slab per index head, so a tile of slots is one contiguous (TMA) load
+        # instead of TILE_N scattered rows. The leading clean run needs no mask; past it, the slots' bits and
+        # causality mask the tile.
+        t_off = b.to(tl.int64) * stride_tb + idx_h.to(tl.int64) * stride_th + m_block * stride_tm
+        n_span = tl.minimum(tl.load(TAB_SPAN + t_off), n_slots)  # bounds-safe on a malformed table too
+        n_clean = tl.minimum(tl.load(TAB_CLEAN + t_off), n_span)
+        ids_base = TAB_IDS + b.to(tl.int64) * stride_ib + idx_h.to(tl.int64) * stride_ih
+        bits_base = TAB_BITS + b.to(tl.int64) * stride_wb + idx_h.to(tl.int64) * stride_wh + m_block * stride_wm
+        slab = (b.to(tl.int64) * idx_heads + idx_h) * n_slots  # the slab's first row in [B * H * n_slots, D]
+        kc_base = KC + slab * HEAD_DIM
+        vc_base = VC + slab * HEAD_DIM
+        clean_end = n_clean // TILE_N * TILE_N
+        for start in range(0, clean_end, TILE_N):
+            if TABLE_TMA:
+                kt = KC_DESC.load([(slab + start).to(tl.int32), 0]).T
+                vt = VC_DESC.load([(slab + start).to(tl.int32), 0])
+            else:
+                kt = load_kv_tile(kc_base, start + offs_t, HEAD_DIM, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
+                vt = load_kv_tile(vc_base, start + offs_t, HEAD_DIM, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
+            m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
+        for start in range(clean_end, n_span, TILE_N):
+            slots = start + offs_t
+            in_span = slots < n_span
+            words = tl.load(bits_base + slots // 32, mask=in_span, other=0)
+            used = in_span & (((words >> (slots % 32)) & 1) != 0)
+            ids = tl.load(ids_base + slots, mask=used, other=0)
+            ok = used[None, :] & (ids[None, :] <= pos[:, None])
+            if TABLE_TMA:
+                kt = KC_DESC.load([(slab + start).to(tl.int32), 0]).T
+                vt = VC_DESC.load([(slab + start).to(tl.int32), 0])
+            else:
+                kt = load_kv_tile(kc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, True, True)
+                vt = load_kv_tile(vc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, True, False)
             m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
 
     if GRID_COLS:
@@ -425,12 +466,17 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     if q_len_max == 0:
         return out, lse
-    has_cols = index.col_count is not None
+    table = index.col_table if launch_table(config) else None
+    if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):
+        table = None  # the table is in the plain bottom-right frame; these launches read the column lists
+    has_cols = index.col_count is not None and table is None
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
+    launch.pop("col_table", None)
     full_starts = col_map is not None and maps.increasing
-    use_tma = bool(launch.pop("tma", False)) and _tma_eligible(k, v, varlen, col_map is not None and not full_starts)
+    tma = bool(launch.pop("tma", False))
+    use_tma = tma and _tma_eligible(k, v, varlen, col_map is not None and not full_starts)
     full_count, full_idx, partial_count, partial_idx = index.full_count, index.full_idx, index.partial_count, index.partial_idx
     col_count = index.col_count
     if full_starts:
@@ -452,6 +498,18 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     wide = index.block_m * pack >= 128
     launch.setdefault("COL_TILE", max(16, launch["TILE_N"] // 2) if wide else launch["TILE_N"])
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
+    if table is not None:
+        kc, vc = _table_slabs(k, v, table, heads, index.head_space, group, batch)
+        table_tma = tma and _tma_eligible(kc, vc, False, False)
+        kc_desc, vc_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (kc, vc)) if table_tma else (kc, vc)
+        if table.clean.stride() != table.span.stride():
+            table = table.map(lambda _, t: t.contiguous())
+        table_args = (table.ids, table.bits, table.clean, table.span, kc, vc, kc_desc, vc_desc, table.ids.shape[-1], index.heads)
+        table_strides = (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
+    else:
+        table_tma = False
+        table_args = (full_count,) * 4 + (k, v, k, v, 0, 0)
+        table_strides = (0,) * 8
     grid = (num_blocks(q_len_max, index.block_m), batch * heads_per_batch // pack)
     _block_sparse_fwd[grid](
         q, k, v, out, lse, k_desc, v_desc,
@@ -461,22 +519,42 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
         row_pos if row_pos is not None else full_count,
         row_map if row_map is not None else full_count, col_map if col_map is not None else full_count,
         lines.line_cols if lines is not None and lines.line_cols is not None else full_count,
+        *table_args,
         scale * LOG2E, q_len_max, kv_len_max, index.window, index.sink, heads_per_batch,
         0 if maps is None else maps.pos_shift,
         *((lines.stride, lines.row_phase, lines.row_lines, lines.col_phase) if lines is not None else (1, 0, 0, 0)),
         *sq, *sk, *sv, *so, *sl,
         *_index_strides(full_count), *_index_strides(full_idx),
-        *_index_strides(partial_idx), *_index_strides(index.col_idx),
+        *_index_strides(partial_idx), *_index_strides(index.col_idx), *table_strides,
         GROUP=group, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),
         USE_HEAD_MAP=served is not None, HAS_ROW_POS=row_pos is not None,
         HAS_ROW_MAP=row_map is not None, HAS_COL_MAP=col_map is not None, STORE_MAPPED=store_mapped,
-        FULL_STARTS=full_starts, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, PACK=pack, **launch,
+        FULL_STARTS=full_starts, USE_TMA=use_tma, GRID=lines is not None, GRID_COLS=lines is not None and lines.line_cols is not None, PACK=pack,
+        COL_TABLE=table is not None, TABLE_TMA=table_tma, **launch,
     )
     if lines is not None and lines.row_lines:
         _line_rows(q, k, v, lines, heads, index.head_space, scale, out, lse)
     return out, lse
+
+
+def launch_table(config: dict | None) -> bool:
+    """Whether a launch reads an index's column table (index.ColumnTable) in place of its column lists:
+    yes unless ``config["col_table"]`` is False (A/B timing of the two paths)."""
+    return config is None or bool(config.get("col_table", True))
+
+
+def _table_slabs(k, v, table, heads: torch.Tensor | None, head_space: str, group: int, batch: int):
+    """K/V rows of every index head's table slots: two contiguous [B, H, V, D] slabs (H: the index's heads,
+    V: its slots), read by the kernel as plain tiles. Unused slots copy some row too (ids are clamped into
+    range): the kernel masks them."""
+    rows = torch.arange(table.ids.shape[1], device=k.device) if heads is None else heads.long()
+    kv_rows = rows if head_space == "kv" else rows // group
+    ids = table.ids.long().clamp(0, k.shape[2] - 1)
+    b = torch.arange(batch, device=k.device)[:, None, None]
+    h = kv_rows[None, :, None]
+    return k[b, h, ids], v[b, h, ids]
 
 
 def _line_rows(q, k, v, lines: GridLines, heads: torch.Tensor | None, head_space: str, scale: float, out, lse) -> None:

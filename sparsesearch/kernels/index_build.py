@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import BlockIndex, num_blocks
+from ..index import BlockIndex, ColumnTable, num_blocks
 from ._common import SUPPORTED_DTYPES, block_d, dot_f32, interpreting
 
 # Longest key axis, in key blocks, a block top-k select program holds in registers (128K keys at block_n
@@ -604,15 +604,16 @@ def _zero_tail(idx_ptr, n, width, TILE: tl.constexpr):
         tl.store(idx_ptr + lanes, tl.zeros([TILE], dtype=idx_ptr.dtype.element_ty), mask=(lanes >= n) & (lanes < width))
 
 
-@triton.jit(do_not_specialize=("n_vert", "full_w", "part_w"))
+@triton.jit(do_not_specialize=("n_vert", "full_w", "part_w", "n_words"))
 def _vs_index(
-    VERT, BELOW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX,
-    q_len, kv_len, kv_blocks, n_vert, full_w, part_w,
+    VERT, BELOW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, COL_CNT, COL_IDX, TAB_BITS, TAB_CLEAN, TAB_SPAN,
+    q_len, kv_len, kv_blocks, n_vert, full_w, part_w, n_words,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB_TILE: tl.constexpr, V_TILE: tl.constexpr,
 ):
     """One query block's lists, walking its causal key blocks and then the verticals a tile at a time
     (1M keys are 16K key blocks and up to 16K verticals: more than one program's registers), each list
-    at its static width (``vertical_slash.list_widths``; the verticals)."""
+    at its static width (``vertical_slash.list_widths``; the verticals); and its row of the column table
+    (index.ColumnTable: the verticals are the slots; V_TILE is a multiple of 32, one word per 32 lanes)."""
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     p0 = qb * BLOCK_M + kv_len - q_len
@@ -638,13 +639,24 @@ def _vs_index(
     _zero_tail(part_ptr, n_part, part_w, KB_TILE)
     col_ptr = COL_IDX + row * n_vert
     n_col = 0
+    clean = n_vert  # the first slot that is unused or not causal for the block's first row
+    span = 0
     for start in tl.range(0, n_vert, V_TILE):
         lanes = start + tl.arange(0, V_TILE)
         live = lanes < n_vert
         vert = tl.load(VERT + bh.to(tl.int64) * n_vert + lanes, mask=live, other=0).to(tl.int32)
         covered = _vs_touched(below, vert // BLOCK_N, p0, p1, kv_len, BLOCK_N)
-        n_col = _store_run(col_ptr, n_col, live & (vert <= p1) & ~covered, vert)
+        keep = live & (vert <= p1) & ~covered
+        n_col = _store_run(col_ptr, n_col, keep, vert)
+        # Disjoint bits: their int32 sum is their OR.
+        words = tl.sum(tl.reshape(keep.to(tl.int32) << (lanes % 32), [V_TILE // 32, 32]), axis=1)
+        w_lanes = start // 32 + tl.arange(0, V_TILE // 32)
+        tl.store(TAB_BITS + row * n_words + w_lanes, words, mask=w_lanes < n_words)
+        clean = tl.minimum(clean, tl.min(tl.where(live & ~(keep & (vert <= p0)), lanes, n_vert), 0))
+        span = tl.maximum(span, tl.max(tl.where(keep, lanes + 1, 0), 0))
     tl.store(COL_CNT + row, n_col)
+    tl.store(TAB_CLEAN + row, clean)
+    tl.store(TAB_SPAN + row, span)
     _zero_tail(col_ptr, n_col, n_vert, V_TILE)
 
 
@@ -775,14 +787,17 @@ def vertical_slash_index(
 
     q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)
     full_w, part_w = list_widths(n_slash, kv_blocks, block_m, block_n)
-    counts = torch.empty(3, batch, heads, q_blocks, dtype=torch.int32, device=device)
+    counts = torch.empty(5, batch, heads, q_blocks, dtype=torch.int32, device=device)  # + the table's clean, span
     full_idx = torch.empty(batch, heads, q_blocks, full_w, dtype=torch.int32, device=device)
     part_idx = torch.empty(batch, heads, q_blocks, part_w, dtype=torch.int32, device=device)
     col_idx = torch.empty(batch, heads, q_blocks, n_vert, dtype=torch.int32, device=device)
+    bits = torch.empty(batch, heads, q_blocks, num_blocks(n_vert, 32), dtype=torch.int32, device=device)
     _vs_index[(q_blocks, batch * heads)](
-        vertical, below, counts[0], full_idx, counts[1], part_idx, counts[2], col_idx, q_len, kv_len, kv_blocks, n_vert,
-        full_w, part_w, BLOCK_M=block_m, BLOCK_N=block_n, KB_TILE=min(VS_INDEX_TILE, triton.next_power_of_2(kv_blocks)),
-        V_TILE=min(VS_INDEX_TILE, triton.next_power_of_2(n_vert)), num_warps=4,
+        vertical, below, counts[0], full_idx, counts[1], part_idx, counts[2], col_idx, bits, counts[3], counts[4],
+        q_len, kv_len, kv_blocks, n_vert, full_w, part_w, bits.shape[-1],
+        BLOCK_M=block_m, BLOCK_N=block_n, KB_TILE=min(VS_INDEX_TILE, triton.next_power_of_2(kv_blocks)),
+        V_TILE=max(32, min(VS_INDEX_TILE, triton.next_power_of_2(n_vert))), num_warps=4,
     )
-    index = BlockIndex(counts[0], full_idx, counts[1], part_idx, block_m, block_n, head_space, counts[2], col_idx)
+    table = ColumnTable(vertical.to(torch.int32), bits, counts[3], counts[4])
+    index = BlockIndex(counts[0], full_idx, counts[1], part_idx, block_m, block_n, head_space, counts[2], col_idx, col_table=table)
     return index, vertical, slash

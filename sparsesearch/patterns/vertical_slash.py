@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import BlockIndex, list_width, num_blocks, pack_lists
+from ..index import BlockIndex, ColumnTable, list_width, num_blocks, pack_bits, pack_lists
 from ._common import (
     ascii_blocks, ascii_mask, causal_entries, check_head_space, check_int, check_lengths, check_qk, full_block,
     check_frame, index_entries, last_q_sums, query_block_bounds, top_ids,
@@ -159,17 +159,29 @@ def index_from_lines(lines: VSLines, *, block_m: int = 64, block_n: int = 64, st
     partial_count, partial_idx = pack_lists(touched & ~is_full, part_w)
     # Verticals: causal for the block's last row and not inside a touched block -> gathered columns.
     q_blocks = p0.shape[0]
-    vertical = lines.vertical[:, :, None, :].expand(batch, heads, q_blocks, -1)
+    ordered = lines.vertical.sort(-1).values  # [B, H, V]: the column table's slots
+    vertical = ordered[:, :, None, :].expand(batch, heads, q_blocks, -1)
     covered = touched.gather(-1, vertical // block_n)
     keep = (vertical <= p1) & ~covered
     keyed = torch.where(keep, vertical.to(torch.int32), kv_len).sort(-1).values
     col_count = keep.sum(-1, dtype=torch.int32)
     col_idx = keyed[..., : list_width(col_count, vertical.shape[-1] if static_widths else None)]
     col_idx = torch.where(col_idx >= kv_len, 0, col_idx).contiguous()
+    table = None if lines.row_pos is not None else column_table(ordered, keep, p0[:, 0])
     return BlockIndex(
         full_count, full_idx, partial_count, partial_idx, block_m, block_n, lines.head_space,
-        col_count, col_idx, meta={"pattern": NAME, "lines": lines},
+        col_count, col_idx, meta={"pattern": NAME, "lines": lines}, col_table=table,
     )
+
+
+def column_table(vertical: torch.Tensor, keep: torch.Tensor, first_pos: torch.Tensor) -> ColumnTable:
+    """The verticals as one table per head (index.ColumnTable): vertical int [B, H, V] ascending, keep bool
+    [B, H, QB, V] (slot used by the query block), first_pos int64 [QB] (each block's first row position)."""
+    slots = torch.arange(keep.shape[-1], device=keep.device)
+    causal = keep & (vertical[:, :, None, :] <= first_pos[:, None])
+    clean = causal.to(torch.int32).cumprod(-1).sum(-1, dtype=torch.int32)  # the leading run of used, causal slots
+    span = torch.where(keep, slots + 1, 0).amax(-1).to(torch.int32)
+    return ColumnTable(vertical.to(torch.int32).contiguous(), pack_bits(keep), clean, span)
 
 
 def build_index(
