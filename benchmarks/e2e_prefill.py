@@ -123,6 +123,8 @@ def planted_vs_index(g: HeadGroup, batch: int, q_len: int, kv_len: int, space: s
     heads = len(g.heads)
     grown = {name: getattr(one, name).expand(1, heads, *getattr(one, name).shape[2:])
              for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx") if getattr(one, name) is not None}
+    if one.col_table is not None:
+        grown["col_table"] = one.col_table.map(lambda _, t: t.expand(1, heads, *t.shape[2:]))
     return dataclasses.replace(one, **grown).expand_batch(batch)
 
 

@@ -5,8 +5,8 @@
 Prints, per length, block size and index (all causal blocks, and block top-k at each requested density of
 the causal blocks, kv head space as the runtime uses it), the time and efficiency (computed density x SDPA
 time / kernel time, SDPA over the same q/k/v measured once per length) of every (TILE_N, num_warps,
-num_stages, TMA loads of full tiles off/on, query heads stacked per program, gathered-column tile width) that
-compiles.
+num_stages, TMA loads of full tiles off/on, query heads stacked per program, gathered-column tile width,
+vertical-slash columns from the column table or the lists) that compiles.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--pack", type=int, nargs="+", default=[1], help="query heads of a GQA group per program")
     parser.add_argument("--col-tile", type=int, nargs="+", default=[0], help="gathered-column tile (0: TILE_N)")
     parser.add_argument("--vs", nargs="*", default=[], help="planted vertical-slash indexes, each 'V,S'")
+    parser.add_argument("--col-table", choices=["off", "on"], nargs="+", default=["on"],
+                        help="vertical-slash columns from the column table's slabs (on) or gathered from the lists (off)")
     args = parser.parse_args()
     heads, kv_heads, dim = 32, 8, 128
     for n in args.n:
@@ -67,17 +69,19 @@ def main() -> None:
         for block in args.block:
             for name, index in indices(q, k, n, block, args.density, args.vs).items():
                 dens = computed_density(index, n)
-                for tile_n, warps, stages, tma, pack, col_tile in itertools.product(args.tile, args.warps, args.stages, args.tma, args.pack, args.col_tile):
-                    if tile_n > block:
+                axes = itertools.product(args.tile, args.warps, args.stages, args.tma, args.pack, args.col_tile, args.col_table)
+                for tile_n, warps, stages, tma, pack, col_tile, table in axes:
+                    if tile_n > block or (table == "off" and index.col_table is None and len(args.col_table) > 1):
                         continue
-                    cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages, "tma": tma == "on", "pack": pack, "COL_TILE": col_tile or tile_n}
+                    cfg = {"TILE_N": tile_n, "num_warps": warps, "num_stages": stages, "tma": tma == "on", "pack": pack,
+                           "COL_TILE": col_tile or tile_n, "col_table": table == "on"}
                     try:
                         block_sparse_attention(q, k, v, index, config=cfg)
                         t = bench(lambda: block_sparse_attention(q, k, v, index, config=cfg), warmup_ms=20, rep_ms=100)
                     except Exception as exc:  # out of shared memory etc.
                         print(f"N {n} block {block} {name} {cfg} failed: {type(exc).__name__}")
                         continue
-                    print(f"N {n:6d} block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages} tma {tma:3s} pack {pack} cols {col_tile or tile_n}: "
+                    print(f"N {n:6d} block {block:3d} {name:7s} dens {dens:.3f} tile {tile_n:3d} w{warps} s{stages} tma {tma:3s} pack {pack} cols {col_tile or tile_n} table {table}: "
                           f"{t:8.3f} ms eff {dens * t_sdpa / t:.3f} ({dens * flops / t / 1e9:.0f} TFLOP/s)", flush=True)
 
 

@@ -86,10 +86,12 @@ class ColumnTable:
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """bool [..., V] -> int32 [..., ceil(V / 32)]: bit s % 32 of word s // 32 is mask[..., s]."""
     words = -(-mask.shape[-1] // 32)
-    padded = torch.nn.functional.pad(mask, (0, words * 32 - mask.shape[-1])).view(*mask.shape[:-1], words, 32)
-    # Bit 31 as int32's -2^31: the bits are disjoint, so their int32 sum is their OR and never overflows.
-    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=mask.device)
-    return (padded.to(torch.int32) * weights).sum(-1, dtype=torch.int32)
+    padded = torch.nn.functional.pad(mask, (0, words * 32 - mask.shape[-1])).view(*mask.shape[:-1], words * 4, 8)
+    # A byte at a time (disjoint bits: the sum is their OR, at most 255), so the working memory is one byte per
+    # bit; four little-endian bytes are one int32 word (bit s % 32 of word s // 32), as CPUs and GPUs lay them.
+    # Made on the device (no host copy): builds run inside CUDA-graph capture (graphed.GraphedIndexCache).
+    weights = torch.ones(8, dtype=torch.uint8, device=mask.device) << torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (padded.to(torch.uint8) * weights).sum(-1, dtype=torch.uint8).view(torch.int32)
 
 
 def unpack_bits(bits: torch.Tensor, slots: int) -> torch.Tensor:

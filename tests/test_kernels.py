@@ -382,6 +382,27 @@ def test_column_table_matches_oracle(head_space, block_m, block_n, n_slash, reac
     assert not torch.allclose(block_sparse_attention(q, k, v, blank)[0], out)
 
 
+@pytest.mark.parametrize("group, heads", [(1, None), (4, None), (4, [5, 0, 7]), (1, [1])])
+def test_column_slabs_copy_each_index_heads_rows(group, heads):
+    """column_slabs: slot s of index row h of sequence b holds k[b, kv head of h, ids[b, h, s]] (strided k, a
+    batch-expanded table, a head map); ids out of range are clamped into it, never read past it."""
+    from sparsesearch.kernels.column_slabs import column_slabs
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 90, 2, 80, generator=gen).to(DEVICE).transpose(1, 2)  # [B, Hkv, N, D], strided
+    v = torch.randn(2, 2, 90, 80, generator=gen).to(DEVICE)
+    rows = 2 * group if heads is None else len(heads)
+    ids = torch.randint(0, 90, (1, rows, 45), generator=gen, dtype=torch.int32).to(DEVICE)
+    ids[0, 0, :2] = torch.tensor([-4, 500])
+    head_map = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEVICE)
+    kc, vc = column_slabs(k, v, ids.expand(2, -1, -1), head_map, group, 2)
+    src = torch.arange(rows, device=DEVICE) if heads is None else head_map.long()
+    kv = src // group
+    safe = ids.long().clamp(0, 89).expand(2, -1, -1)
+    b = torch.arange(2, device=DEVICE)[:, None, None]
+    assert torch.equal(kc, k[b, kv[None, :, None], safe]) and torch.equal(vc, v[b, kv[None, :, None], safe])
+
+
 def test_column_table_with_head_map_expanded_batch_and_fallbacks():
     """The table's slabs follow a head map (each index row's own KV head) and a batch-expanded index; a
     varlen launch, whose frame the table does not describe, reads the column lists instead."""
@@ -404,6 +425,19 @@ def test_column_table_with_head_map_expanded_batch_and_fallbacks():
     flat = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
     got, _ = block_sparse_attention(flat(q), flat(k), flat(v), index.expand_batch(2), cu_seqlens_q=cu, cu_seqlens_k=cu)
     torch.testing.assert_close(got, flat(want[0]), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("slots", [1, 31, 32, 77])
+def test_pack_bits_round_trips(slots):
+    """pack_bits/unpack_bits: bit s % 32 of int32 word s // 32 (bit 31 is the sign bit)."""
+    from sparsesearch.index import pack_bits, unpack_bits
+
+    mask = torch.rand(3, 4, slots, generator=torch.Generator().manual_seed(slots)) < 0.5
+    words = pack_bits(mask.to(DEVICE))
+    assert words.dtype == torch.int32 and words.shape == (3, 4, -(-slots // 32))
+    assert torch.equal(unpack_bits(words, slots).cpu(), mask)
+    assert pack_bits(torch.ones(64, dtype=torch.bool)).tolist() == [-1, -1]
+    assert pack_bits(torch.arange(32) == 31).tolist() == [-(2**31)]
 
 
 def test_column_table_survives_index_ops_and_validate_catches_a_wrong_one():

@@ -14,8 +14,10 @@ at row_pos[i]. A modality region is read in place through int32 row/column maps 
 O/lse stores and K/V loads go through them, causality compares original positions, and the full key
 blocks of an increasing column map that are one run of consecutive keys are re-addressed as plain slabs
 of the original K/V before the launch (region_runs.py; the rest become partial blocks); a grid head's
-lines are index arithmetic (index.GridLines). Without either the flags are constexpr off and the kernel is
-the plain one. Outputs: out like q; lse fp32
+lines are index arithmetic (index.GridLines). An index whose columns come with a column table
+(index.ColumnTable, vertical-slash) has them read from contiguous per-head slabs of the table's K/V rows
+(column_slabs.py) as plain (TMA) tiles, unmasked over each block's clean run, instead of gathered token by
+token. Without any of these the flags are constexpr off and the kernel is the plain one. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -32,6 +34,7 @@ from ._common import (
     LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, interpreting, load_kv_tile,
     online_update,
 )
+from .column_slabs import column_slabs
 from .region_runs import fold_runs
 
 
@@ -418,7 +421,9 @@ def block_sparse_attention(
     head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages, tma, pack: query heads stacked per program, kv
-    head space only) for tuning; None picks per device and index.
+    head space only; col_table: False reads the column lists even when the index has a table) for tuning;
+    None picks per device and index. The column table serves dense launches in the plain frame only: with
+    cu_seqlens, row_pos, maps or lines the column lists are read.
     row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
     admits keys j <= row_pos[i] instead of the bottom-right causal rule; Nq_r may exceed Nk_r.
     maps (dense layout; index.RegionMaps, made by kernels.region_maps or boundary.Region.maps): a region
@@ -499,7 +504,7 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     launch.setdefault("COL_TILE", max(16, launch["TILE_N"] // 2) if wide else launch["TILE_N"])
     k_desc, v_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (k, v)) if use_tma else (k, v)
     if table is not None:
-        kc, vc = _table_slabs(k, v, table, heads, index.head_space, group, batch)
+        kc, vc = column_slabs(k, v, table.ids, heads, 1 if index.head_space == "kv" else group, batch)
         table_tma = tma and _tma_eligible(kc, vc, False, False)
         kc_desc, vc_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (kc, vc)) if table_tma else (kc, vc)
         if table.clean.stride() != table.span.stride():
@@ -543,18 +548,6 @@ def launch_table(config: dict | None) -> bool:
     """Whether a launch reads an index's column table (index.ColumnTable) in place of its column lists:
     yes unless ``config["col_table"]`` is False (A/B timing of the two paths)."""
     return config is None or bool(config.get("col_table", True))
-
-
-def _table_slabs(k, v, table, heads: torch.Tensor | None, head_space: str, group: int, batch: int):
-    """K/V rows of every index head's table slots: two contiguous [B, H, V, D] slabs (H: the index's heads,
-    V: its slots), read by the kernel as plain tiles. Unused slots copy some row too (ids are clamped into
-    range): the kernel masks them."""
-    rows = torch.arange(table.ids.shape[1], device=k.device) if heads is None else heads.long()
-    kv_rows = rows if head_space == "kv" else rows // group
-    ids = table.ids.long().clamp(0, k.shape[2] - 1)
-    b = torch.arange(batch, device=k.device)[:, None, None]
-    h = kv_rows[None, :, None]
-    return k[b, h, ids], v[b, h, ids]
 
 
 def _line_rows(q, k, v, lines: GridLines, heads: torch.Tensor | None, head_space: str, scale: float, out, lse) -> None:

@@ -176,6 +176,7 @@ def expand_heads(index: BlockIndex, batch: int, heads: int) -> BlockIndex:
         grown["full_count"], grown["full_idx"], grown["partial_count"], grown["partial_idx"],
         index.block_m, index.block_n, index.head_space, grown.get("col_count"), grown.get("col_idx"),
         index.window, index.sink, meta=index.meta,
+        col_table=None if index.col_table is None else index.col_table.map(lambda _, t: t.expand(batch, heads, *t.shape[2:])),
     )
 
 
