@@ -166,6 +166,27 @@ def test_triton_kernel_reads_regions_in_place(dtype, kind):
         assert relative_error(out, gathered) <= tolerance(low, ref, dtype), region.name
 
 
+def test_regions_at_128_rows_per_program_take_narrow_partial_tiles():
+    """64 x 64 blocks of a kv-space index with a GQA group of 2: two heads stacked, 128 rows per program, so a
+    region's partial blocks go in half-width tiles (PART_TILE; 64-wide ones spilled registers on an H200). The
+    regions of a long fragmented layout, in place and on gathered copies (row_pos), against the definition."""
+    ids = layout_ids([(0, 70), (2, 150), (0, 45), (2, 130), (0, 60)])
+    n = ids.numel()
+    q, k, v = qkv(n, batch=1)
+    params = ashape.AShapeParams(sink=20, local=90)
+    for region in boundary.regions("2d", ids.to(DEVICE), NAMES):
+        index = ashape.build_index(params, region.q_idx.numel(), region.k_idx.numel(), heads=2, block_m=64, block_n=64,
+                                   head_space="kv", device=DEVICE, row_pos=region.row_pos)
+        assert int(index.partial_count.sum()) > 0
+        ref, _ = oracle_rows(q, k, v, region.q_idx, original_mask(region, region_frame_mask(region, "ashape", params), n))
+        low, _ = oracle_rows(q, k, v, region.q_idx, original_mask(region, region_frame_mask(region, "ashape", params), n), upcast=False)
+        out, _ = run_mapped(block_sparse_attention, q, k, v, index, region, full_out=False)
+        assert relative_error(out, ref) <= tolerance(low, ref, torch.float32), region.name
+        row_pos = None if region.row_pos is None else region.row_pos.to(DEVICE)
+        copies, _ = block_sparse_attention(*region.gather(q, k, v), index, scale=SCALE, row_pos=row_pos)
+        assert relative_error(copies, ref) <= tolerance(low, ref, torch.float32), region.name
+
+
 # ------------------------------------------------------------------------------------------- executor
 
 
