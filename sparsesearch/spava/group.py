@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Callable
 
@@ -81,6 +82,13 @@ def _entry(local_rank: int, fn: Callable, world: int, port: int, backend: str, t
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Done and torn down: leave without interpreter finalization. Gloo's worker threads can still hold async work
+    # whose tensors are freed during finalization, which aborts the process after every result is in (SIGABRT,
+    # "terminate called without an active exception"; pytorch/pytorch#179291). The barrier above did not stop it:
+    # the 2-process decode test still died that way in two full CI runs, never alone.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, nproc: int, *args, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
