@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from .run import SpavaConfig, rank_main
 
@@ -51,3 +52,8 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    # rank_main destroyed the group and rank 0's rows are written: leave without interpreter finalization, where gloo
+    # async work freed late aborts a finished rank (SIGABRT; spava.group._entry, pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
