@@ -41,7 +41,6 @@ Needs a CUDA GPU with room for the 8B weights (16 GB) and the activations (~110 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -65,6 +64,7 @@ from benchmarks.ttft import SHAPES, prefill_fn
 from sparsesearch.artifacts import load_artifact
 from benchmarks.kernels import computed_density
 from sparsesearch.execute import HeadGroup, StaticIndexCache
+from sparsesearch.patterns._common import expand_heads
 from sparsesearch.index import BlockIndex
 from sparsesearch.patterns import vertical_slash
 from sparsesearch.patterns.registry import REGISTRY
@@ -120,12 +120,7 @@ def planted_vs_index(g: HeadGroup, batch: int, q_len: int, kv_len: int, space: s
     # Every head of the group has the same lines: one head's index, broadcast (the torch build from lines
     # holds [QB, KB] per head; at 1M tokens and 64-blocks that is 24 GiB for a group, past the free memory).
     one = vertical_slash.index_from_lines(lines, block_m=g.block_m, block_n=g.block_n)
-    heads = len(g.heads)
-    grown = {name: getattr(one, name).expand(1, heads, *getattr(one, name).shape[2:])
-             for name in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx") if getattr(one, name) is not None}
-    if one.col_table is not None:
-        grown["col_table"] = one.col_table.map(lambda _, t: t.expand(1, heads, *t.shape[2:]))
-    return dataclasses.replace(one, **grown).expand_batch(batch)
+    return expand_heads(one, batch, len(g.heads))
 
 
 class PlantedIndexCache(StaticIndexCache):

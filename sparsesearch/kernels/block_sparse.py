@@ -481,14 +481,14 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     sl = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     if q_len_max == 0:
         return out, lse
-    table = index.col_table if launch_table(config) else None
-    if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):
-        table = None  # the table is in the plain bottom-right frame; these launches read the column lists
-    has_cols = index.col_count is not None and table is None
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
-    launch.pop("col_table", None)
+    # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
+    table = index.col_table if launch.pop("col_table", True) else None
+    if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):
+        table = None  # the table is in the plain bottom-right frame; these launches read the column lists
+    has_cols = index.col_count is not None and table is None
     full_starts = col_map is not None and maps.increasing
     tma = bool(launch.pop("tma", False))
     use_tma = tma and _tma_eligible(k, v, varlen, col_map is not None and not full_starts)
@@ -557,12 +557,6 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     if lines is not None and lines.row_lines:
         _line_rows(q, k, v, lines, heads, index.head_space, scale, out, lse)
     return out, lse
-
-
-def launch_table(config: dict | None) -> bool:
-    """Whether a launch reads an index's column table (index.ColumnTable) in place of its column lists:
-    yes unless ``config["col_table"]`` is False (A/B timing of the two paths)."""
-    return config is None or bool(config.get("col_table", True))
 
 
 def _line_rows(q, k, v, lines: GridLines, heads: torch.Tensor | None, head_space: str, scale: float, out, lse) -> None:
