@@ -102,10 +102,15 @@ class Interleaved(NamedTuple):
     reps: int  # timed calls of each fn (warm-up rounds excluded)
 
 
-def _round(fns: Sequence[Callable[[], Any]], clock: Clock, flush: Callable[[], None] | None) -> list[tuple[Any, Any]]:
-    """One call of each fn in order, each between its own two marks; returns the unread marks."""
+def _round(fns: Sequence[Callable[[], Any]], clock: Clock, flush: Callable[[], None] | None,
+           gap_ms: float = 0.0) -> list[tuple[Any, Any]]:
+    """One call of each fn in order, each between its own two marks; returns the unread marks. ``gap_ms`` > 0:
+    before each call the device drains (sync) and idles that long."""
     marks = []
     for fn in fns:
+        if gap_ms > 0:
+            clock.sync()
+            time.sleep(gap_ms / 1e3)
         if flush is not None:
             flush()
         start = clock.mark()
@@ -114,11 +119,12 @@ def _round(fns: Sequence[Callable[[], Any]], clock: Clock, flush: Callable[[], N
     return marks
 
 
-def _rounds(fns, clock: Clock, flush, rounds: int) -> list[list[float]]:
-    """``rounds`` alternating rounds; per fn its list of call times (ms). One sync per round."""
+def _rounds(fns, clock: Clock, flush, rounds: int, gap_ms: float = 0.0) -> list[list[float]]:
+    """``rounds`` alternating rounds; per fn its list of call times (ms). One sync per round (and one per call
+    with a gap)."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        marks = _round(fns, clock, flush)
+        marks = _round(fns, clock, flush, gap_ms)
         clock.sync()
         for i, (start, end) in enumerate(marks):
             times[i].append(clock.elapsed(start, end))
@@ -135,6 +141,7 @@ def interleaved_ms(
     warmup_ms: float = 50.0,
     rep_ms: float = 200.0,
     max_reps: int = 1000,
+    gap_ms: float = 0.0,
 ) -> Interleaved:
     """Median ms of each of ``fns`` timed alternately in one loop: fns[0], fns[1], ..., fns[0], fns[1], ...
 
@@ -143,17 +150,20 @@ def interleaved_ms(
     ``ceil(warmup_ms / round)`` untimed rounds and ``ceil(rep_ms / round)`` timed rounds (at least 5, at
     most ``max_reps``). With explicit counts exactly ``warmup + reps`` rounds run and no probe.
     Each median is over that fn's ``reps`` timed calls. ``clock`` defaults to ``cpu_clock()``.
+    ``gap_ms``: the device idles that long before every call, so each starts from the same power state. On an
+    H200 the call right after a 250 ms full-power SDPA call ran up to 10% slower than the same call back to back
+    (RESULTS.md, Run 13); without a gap a kernel paired with SDPA pays that every time.
     """
     if not fns:
         raise ValueError("interleaved_ms needs at least one callable")
     clock = clock or cpu_clock()
     if warmup is None or reps is None:
-        probe = _rounds(fns, clock, flush, 3)
+        probe = _rounds(fns, clock, flush, 3, gap_ms)
         per_round = max(sum(t[-1] for t in probe), 1e-6)
         warmup = min(math.ceil(warmup_ms / per_round), max_reps) if warmup is None else warmup
         reps = min(max(5, math.ceil(rep_ms / per_round)), max_reps) if reps is None else reps
     if reps < 1 or warmup < 0:
         raise ValueError(f"interleaved_ms: reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
-    _rounds(fns, clock, flush, warmup)
-    times = _rounds(fns, clock, flush, reps)
+    _rounds(fns, clock, flush, warmup, gap_ms)
+    times = _rounds(fns, clock, flush, reps, gap_ms)
     return Interleaved(ms=tuple(float(statistics.median(t)) for t in times), reps=reps)

@@ -123,3 +123,48 @@ def test_call_ms_hands_short_calls_to_the_given_timer():
     dev = FakeDevice({"step": [5.0, 7.0]})
     assert call_ms(dev.fn("step"), dev.clock(), short=lambda: 4.25) == 4.25
     assert dev.calls == ["step"]  # the warm call only: the short timer makes its own
+
+
+def test_program_cost_fit_recovers_a_planted_line_in_sdpa_tiles():
+    from benchmarks.program_cost import fit_line, sdpa_tile_us, summarize
+
+    assert fit_line([(1.0, 5.0), (3.0, 9.0), (5.0, 13.0)]) == pytest.approx((3.0, 2.0))
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_line([(2.0, 1.0), (2.0, 3.0)])
+    # 8 query blocks: a causal row crosses 4.5 key blocks on average, so 9 ms of SDPA is 2000 us per tile.
+    assert sdpa_tile_us(9.0, 512, 64) == pytest.approx(2000.0)
+    # Planted: 3 SDPA tiles fixed, 1.1x SDPA per tile; rows below fit_from (the kb=1 row) stay out of the fit.
+    base = {"n": 512, "block": 64, "config": None, "sdpa_ms": 9.0}
+    rows = [dict(base, case=f"topk_kb{t}", tiles_per_row=t, us=2000.0 * (3 + 1.1 * t)) for t in (8, 16, 32)]
+    rows += [dict(base, case="topk_kb1", tiles_per_row=1, us=1.0), dict(base, case="null", tiles_per_row=0, us=4000.0),
+             dict(base, case="diag_only", tiles_per_row=1, us=5000.0)]
+    (s,) = summarize(rows, fit_from=8)
+    assert s["fixed_tiles"] == pytest.approx(3.0) and s["per_tile_vs_sdpa"] == pytest.approx(1.1)
+    assert (s["null_tiles"], s["diag_only_tiles"]) == (2.0, 2.5)
+
+
+def test_program_cost_cases_isolate_the_intercept():
+    from benchmarks.program_cost import cases
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 256, 32), torch.randn(1, 2, 256, 32)
+    got = cases(q, k, [1, 2], 64)
+    assert set(got) == {"topk_kb1", "topk_kb2", "diag_only", "null"}
+    assert int(got["diag_only"].full_count.sum()) == 0 and bool((got["diag_only"].partial_count == got["topk_kb1"].partial_count).all())
+    assert int(got["null"].full_count.sum()) == 0 and int(got["null"].partial_count.sum()) == 0
+    assert int(got["topk_kb2"].full_count.sum()) > 0
+
+
+def test_gap_drains_and_idles_before_every_call(monkeypatch):
+    import benchmarks.timing as timing
+
+    dev = FakeDevice({"a": [1.0] * 4, "b": [2.0] * 4})
+    slept = []
+    monkeypatch.setattr(timing.time, "sleep", lambda s: slept.append((s, len(dev.calls), dev.syncs)))
+    timed = interleaved_ms([dev.fn("a"), dev.fn("b")], clock=dev.clock(), warmup=1, reps=3, gap_ms=50.0)
+    assert timed.ms == (1.0, 2.0)
+    # Before each of the 8 calls: a sync, then 50 ms idle; plus the one sync that ends each of the 4 rounds.
+    assert [s for s, _, _ in slept] == [0.05] * 8
+    assert [calls for _, calls, _ in slept] == list(range(8))
+    assert [syncs for _, _, syncs in slept] == [1, 2, 4, 5, 7, 8, 10, 11]
+    assert dev.syncs == 12
