@@ -18,6 +18,10 @@ divide by it (the definition of rows written before ``sdpa_timing: "interleaved"
 same way (``t_ours_graph_ms``, ``eff_ours_graph``, ``t_flex_graph_ms``, ``eff_flex_graph``): the GPU's time
 without the host's launch cost, which at 4K exceeds the triangle kernel's GPU work.
 
+``--gap-ms G`` idles the GPU G ms before every timed call. Without it, each kernel call follows an SDPA call,
+and after a 250 ms full-power SDPA call (128K) the GPU runs the next one 10-23% slower (RESULTS.md, Run 13). At
+32K SDPA from idle runs at boost clocks, 13% faster than back to back.
+
 Needs a CUDA GPU. Index building is timed separately (``index_ms``).
 """
 
@@ -49,9 +53,10 @@ def bench(fn, warmup_ms: int = 50, rep_ms: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def paired(fn, sdpa, clock, flush) -> tuple[float, float, int]:
-    """(fn median ms, SDPA median ms, reps): fn and SDPA alternating in one loop (module docstring)."""
-    timed = interleaved_ms([fn, sdpa], clock=clock, flush=flush)
+def paired(fn, sdpa, clock, flush, gap_ms: float = 0.0) -> tuple[float, float, int]:
+    """(fn median ms, SDPA median ms, reps): fn and SDPA alternating in one loop (module docstring); gap_ms of
+    idle before every call."""
+    timed = interleaved_ms([fn, sdpa], clock=clock, flush=flush, gap_ms=gap_ms)
     return timed.ms[0], timed.ms[1], timed.reps
 
 
@@ -172,7 +177,7 @@ def run(args) -> list[dict]:
             index_ms = bench(lambda: build(), warmup_ms=10, rep_ms=50)
             runner = runner or (lambda q_, k_, v_, i_: block_sparse_attention(q_, k_, v_, i_))
             out, _ = runner(q, k, v, index)
-            t_ours, t_sdpa_paired, reps = paired(lambda: runner(q, k, v, index), sdpa, clock, flush)
+            t_ours, t_sdpa_paired, reps = paired(lambda: runner(q, k, v, index), sdpa, clock, flush, args.gap_ms)
             density = computed_density(index, n)
             if tail_from is not None:  # triangle: the dense tail rows are computed too
                 density += (args.heads * 128 * n) / (args.heads * n * n / 2)
@@ -182,7 +187,7 @@ def run(args) -> list[dict]:
                 "case": name, "params": params, "n": n, "batch": 1, "q_heads": args.heads, "kv_heads": args.kv_heads,
                 "head_dim": args.dim, "dtype": args.dtype, "density": round(density, 5),
                 "t_sdpa_ms": round(t_sdpa, 4), "t_ours_ms": round(t_ours, 4),
-                "sdpa_timing": "interleaved", "paired_reps": reps, "t_sdpa_paired_ms": round(t_sdpa_paired, 4),
+                "sdpa_timing": "interleaved", "gap_ms": args.gap_ms, "paired_reps": reps, "t_sdpa_paired_ms": round(t_sdpa_paired, 4),
                 "eff_ours": round(density * t_sdpa_paired / t_ours, 3), "eff_ours_cold": round(density * t_sdpa / t_ours, 3),
                 "speedup_vs_sdpa": round(t_sdpa_paired / t_ours, 2),
                 "index_ms": round(index_ms, 4), "index_bytes": index_bytes(index), "rel_err_last_rows": err,
@@ -191,7 +196,7 @@ def run(args) -> list[dict]:
             if name.startswith("vs_"):
                 row.update(vs_estimate_ms=round(t_estimate, 4), vs_estimate_pct_of_sdpa=round(100 * t_estimate / t_sdpa, 2))
             if args.graphs:
-                t_graph, t_sdpa_graph, _ = paired(graphed(lambda: runner(q, k, v, index)), sdpa, clock, flush)
+                t_graph, t_sdpa_graph, _ = paired(graphed(lambda: runner(q, k, v, index)), sdpa, clock, flush, args.gap_ms)
                 row.update(t_ours_graph_ms=round(t_graph, 4), eff_ours_graph=round(density * t_sdpa_graph / t_graph, 3))
             if flex is not None and index.col_count is None:
                 mm = causal if mask_mod == "causal" else mask_mod
@@ -201,11 +206,11 @@ def run(args) -> list[dict]:
                     opts = {"BLOCK_M": 64, "BLOCK_N": 64} if min(index.block_m, index.block_n) < 128 else None
                     run_flex = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=opts)  # noqa: E731
                     run_flex()
-                    t_flex, t_sdpa_flex, _ = paired(run_flex, sdpa, clock, flush)
+                    t_flex, t_sdpa_flex, _ = paired(run_flex, sdpa, clock, flush, args.gap_ms)
                     row.update(t_flex_ms=round(t_flex, 4), t_sdpa_flex_paired_ms=round(t_sdpa_flex, 4),
                                eff_flex=round(density * t_sdpa_flex / t_flex, 3), eff_flex_cold=round(density * t_sdpa / t_flex, 3))
                     if args.graphs:
-                        t_graph, t_sdpa_graph, _ = paired(graphed(run_flex), sdpa, clock, flush)
+                        t_graph, t_sdpa_graph, _ = paired(graphed(run_flex), sdpa, clock, flush, args.gap_ms)
                         row.update(t_flex_graph_ms=round(t_graph, 4), eff_flex_graph=round(density * t_sdpa_graph / t_graph, 3))
                 except Exception as exc:  # report, keep benchmarking the rest
                     row["flex_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -239,6 +244,8 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--graphs", action="store_true",
                         help="also time each kernel (ours and FlexAttention) as a CUDA-graph replay: GPU time without host launch cost")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle the GPU this long before every timed call, so each starts from the same power state (RESULTS.md, Run 13)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
     args = parser.parse_args()
     if not torch.cuda.is_available():

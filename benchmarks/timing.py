@@ -159,7 +159,8 @@ def interleaved_ms(
     clock = clock or cpu_clock()
     if warmup is None or reps is None:
         probe = _rounds(fns, clock, flush, 3, gap_ms)
-        per_round = max(sum(t[-1] for t in probe), 1e-6)
+        # The budgets are wall time: a round's idle gaps count (100 ms gaps around a 1 ms call: 5 rounds, not 200).
+        per_round = max(sum(t[-1] for t in probe) + gap_ms * len(fns), 1e-6)
         warmup = min(math.ceil(warmup_ms / per_round), max_reps) if warmup is None else warmup
         reps = min(max(5, math.ceil(rep_ms / per_round)), max_reps) if reps is None else reps
     if reps < 1 or warmup < 0:

@@ -168,3 +168,13 @@ def test_gap_drains_and_idles_before_every_call(monkeypatch):
     assert [calls for _, calls, _ in slept] == list(range(8))
     assert [syncs for _, _, syncs in slept] == [1, 2, 4, 5, 7, 8, 10, 11]
     assert dev.syncs == 12
+
+
+def test_gaps_count_against_the_time_budget(monkeypatch):
+    import benchmarks.timing as timing
+
+    monkeypatch.setattr(timing.time, "sleep", lambda s: None)
+    # Rounds of 1 + 4 ms calls and two 100 ms gaps: 205 ms a round -> 1 warm-up and the minimum of 5 timed rounds.
+    dev = FakeDevice({"a": [1.0] * 100, "b": [4.0] * 100})
+    timed = interleaved_ms([dev.fn("a"), dev.fn("b")], clock=dev.clock(), warmup_ms=50, rep_ms=200, gap_ms=100.0)
+    assert timed.reps == 5 and len(dev.calls) == 2 * (3 + 1 + 5)
