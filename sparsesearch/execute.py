@@ -13,6 +13,7 @@ Triton on CUDA tensors and the index-driven torch backend elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,14 @@ class HeadGroup:
     heads: tuple[int, ...]
     block_m: int
     block_n: int
+
+
+@functools.lru_cache(maxsize=4096)
+def device_ids(ids: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """ids [len(ids)] on device, made once per (ids, device, dtype) and shared, so read-only. Copying a host list
+    to a CUDA device waits for the stream to drain (pageable memory), so a copy per launch kept the host from
+    running ahead of the GPU: 98 of the 139 waits of one 8B-stack prefill (H200, RESULTS.md)."""
+    return torch.tensor(ids, dtype=dtype, device=device)
 
 
 def query_heads(heads: tuple[int, ...], space: str, group: int) -> list[int]:
@@ -64,7 +73,7 @@ def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
     if not module.DYNAMIC:
         return static_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0], row_pos=row_pos)
     q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)
-    q_ids, kv_ids = torch.tensor(q_ids, device=q.device), torch.tensor(kv_ids, device=q.device)
+    q_ids, kv_ids = device_ids(tuple(q_ids), q.device), device_ids(tuple(kv_ids), q.device)
     return module.build_index(g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space,
                               block_m=g.block_m, block_n=g.block_n, **_frame(g.pattern, row_pos))
 
@@ -206,7 +215,7 @@ def dense_heads(q, k, v, heads: list[int], scale: float, out) -> None:
     """Causal SDPA for the query heads ``heads`` into out [B, Hq, N, D] (GQA handled by SDPA, K/V not
     repeated): the heads no sparse group covers."""
     group = q.shape[1] // k.shape[1]
-    q_ids = torch.tensor(heads, device=q.device)
+    q_ids = device_ids(tuple(heads), q.device)
     if len(heads) == q.shape[1]:
         res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
@@ -241,7 +250,7 @@ def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: floa
         lse = torch.full((q.shape[0], q.shape[1], rows), float("-inf"), dtype=torch.float32, device=q.device)
     for g in groups:
         index = region_index(g, q, k, region, space)
-        ids = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
+        ids = device_ids(tuple(g.heads), q.device, torch.int32)
         sparse_attend(q, k, v, index, scale, ids, out, lse, None if maps is not None else region.row_pos, maps=maps)
     return out, lse
 
@@ -288,7 +297,7 @@ def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callab
                 parts.append((region, *run_region(q, k, v, region, groups, space, scale)))
         if not direct:
             merged, _ = bd.compose(parts, n)
-            q_ids = torch.tensor(query_heads(tuple(heads), space, group), device=q.device)
+            q_ids = device_ids(tuple(query_heads(tuple(heads), space, group)), q.device)
             out[:, q_ids] = merged[:, q_ids].to(out.dtype)
         done.update(heads)
     return done

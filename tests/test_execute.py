@@ -60,3 +60,15 @@ def test_static_cache_reuses_static_indices_only_and_stays_bounded():
     for local in (8, 16):  # two more static groups evict the oldest entry
         cache.index(HeadGroup("ashape", ashape.AShapeParams(sink=4, local=local), (0, 1), 16, 16), q, k, "kv")
     assert cache.index(g, q, k, "kv") is not first
+
+
+def test_device_ids_are_made_once_per_ids_device_and_dtype():
+    """The runtime's per-launch head ids come from one shared tensor per (ids, device, dtype): copying a host
+    list to a CUDA device would wait for the stream every launch."""
+    from sparsesearch.execute import device_ids
+
+    a = device_ids((3, 1, 2), torch.device("cpu"))
+    assert a is device_ids((3, 1, 2), torch.device("cpu")) and a.dtype == torch.int64 and a.tolist() == [3, 1, 2]
+    b = device_ids((3, 1, 2), torch.device("cpu"), torch.int32)
+    assert b is not a and b.dtype == torch.int32 and b.tolist() == [3, 1, 2]
+    assert device_ids((1, 2), torch.device("cpu")) is not a

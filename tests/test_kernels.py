@@ -589,3 +589,28 @@ def test_long_context_offsets_past_int32():
     # The dense last rows: split over keys by the launch's size (32 heads vs 4), so merged in another order.
     torch.testing.assert_close(out[:, 28:, -128:], want[:, :, -128:], atol=2e-2, rtol=0)
     torch.testing.assert_close(lse[:, 28:, -128:], want_lse[:, :, -128:], atol=1e-4, rtol=0)
+
+
+def test_head_map_is_read_once_until_it_changes():
+    """A head map is read on the host (a wait for the device) only the first time it is seen: the runtime
+    passes the same tensors every layer. Writing to it, or serving another head count, checks it again."""
+    from sparsesearch.kernels import block_sparse as bs
+
+    q, k, v = qkv(1, 4, 2, 64, 64, 64, torch.float16)
+    index = random_index(1, 1, 64, 64, 32, 32, device=DEVICE)
+    heads = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    reads = []
+    real = torch.Tensor.tolist
+    heads.tolist = lambda: reads.append(1) or real(heads)
+    bs._VALID_HEADS.clear()
+    first = block_sparse_attention(q, k, v, index, heads=heads)
+    second = block_sparse_attention(q, k, v, index, heads=heads)
+    assert len(reads) == 1 and torch.equal(first[0][:, 1], second[0][:, 1])  # only the served head is written
+    heads.fill_(3)  # in place: the version counter moves, so the map is read again and refused (2 KV heads)
+    with pytest.raises(ValueError, match="distinct ids"):
+        block_sparse_attention(q, k, v, replace(index, head_space="kv"), heads=heads)
+    assert len(reads) == 2
+    # Valid for 4 query heads, not for 2 KV heads: the head count is part of what was checked.
+    block_sparse_attention(q, k, v, index, heads=heads)
+    with pytest.raises(ValueError, match="distinct ids"):
+        block_sparse_attention(q, k, v, replace(index, head_space="kv"), heads=heads)

@@ -387,15 +387,29 @@ def check_index(index: BlockIndex, batch: int, index_heads: int, q_len_max: int,
         raise ValueError("index count tensors must share strides (build them together or call .contiguous())")
 
 
+# Head maps already found valid, keyed by storage address, version counter, length, stride and head count. Each entry
+# holds its tensor, so no other tensor can take that address while the entry lives; writing to it bumps the version.
+_VALID_HEADS: dict[tuple, torch.Tensor] = {}
+
+
 def _check_head_map(heads: torch.Tensor | None, space_heads: int, device: torch.device) -> int | None:
-    """Number of heads a head map serves (None without one); ValueError when it is malformed."""
+    """Number of heads a head map serves (None without one); ValueError when it is malformed. Reading the ids
+    waits for the device, so a map seen before unchanged is not read again (the runtime passes the same
+    per-group tensors every layer: 40 waits of one 8B-stack prefill, RESULTS.md)."""
     if heads is None:
         return None
     if heads.dim() != 1 or heads.dtype != torch.int32 or heads.device != device:
         raise ValueError(f"heads must be a 1-D int32 tensor on {device}, got {heads.dtype} {tuple(heads.shape)} on {heads.device}")
+    key = (heads.data_ptr(), heads._version, heads.numel(), heads.stride(0), space_heads)
+    if key in _VALID_HEADS:
+        return heads.numel()
     ids = heads.tolist()
     if not ids or min(ids) < 0 or max(ids) >= space_heads or len(set(ids)) != len(ids):
         raise ValueError(f"heads must be distinct ids in [0, {space_heads}), got {ids}")
+    if heads.untyped_storage().nbytes() <= 4096:  # never keep a large tensor alive through a view of it
+        if len(_VALID_HEADS) >= 1024:
+            _VALID_HEADS.clear()
+        _VALID_HEADS[key] = heads
     return len(ids)
 
 

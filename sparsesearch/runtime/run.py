@@ -15,7 +15,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..execute import HeadGroup, StaticIndexCache, attend_boundary, attend_triangle, dense_heads, query_heads, sparse_attend
+from ..execute import (
+    HeadGroup, StaticIndexCache, attend_boundary, attend_triangle, dense_heads, device_ids, query_heads, sparse_attend,
+)
 from ..patterns import triangle
 from .plan import LayerPlan, Plan
 
@@ -82,7 +84,7 @@ class Runner:
                 if not heads:
                     continue
                 g = dataclasses.replace(g, heads=heads)
-            heads = torch.tensor(g.heads, dtype=torch.int32, device=q.device)
+            heads = device_ids(tuple(g.heads), q.device, torch.int32)
             if self.permute_grid and g.pattern == "grid":
                 index, lines = self._static.permuted(g, q, k, self.plan.head_space)
                 sparse_attend(q, k, v, index, scale, heads, out, lse, lines=lines)
