@@ -39,6 +39,22 @@ from .column_slabs import column_slabs
 from .region_runs import fold_runs
 
 
+@triton.jit
+def _slab_tile(KC_DESC, VC_DESC, kc_base, vc_base, slab, start, slots, offs_d, in_span, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TABLE_TMA: tl.constexpr):
+    """K^T [BLOCK_D, TILE_N] and V [TILE_N, BLOCK_D] of slab rows ``slots`` (= start + 0 .. TILE_N) of a column
+    table's K/V slabs (the head's from row ``slab``): one TMA box each, or pointer loads, masked to ``in_span``
+    when MASKED (a TMA box past the span reads the next head's slots or zeros: the caller's mask drops them)."""
+    if TABLE_TMA:
+        row = (slab + start).to(tl.int32)
+        kt = KC_DESC.load([row, 0]).T
+        vt = VC_DESC.load([row, 0])
+    else:
+        kt = load_kv_tile(kc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, MASKED, True)
+        vt = load_kv_tile(vc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, MASKED, False)
+    return kt, vt
+
+
 # Index pointers, list strides, lengths and grid-line arguments change with every candidate a search times (list
 # widths follow the budget), and Triton specialises ints on ==1 and %16: a cold modal search compiled 110 variants of
 # this kernel. None of these feeds a vectorised load or a tile shape, so they stay generic; the Q/K/V/O strides and
@@ -258,12 +274,7 @@ def _block_sparse_fwd(
         vc_base = VC + slab * HEAD_DIM
         clean_end = n_clean // TILE_N * TILE_N
         for start in range(0, clean_end, TILE_N):
-            if TABLE_TMA:
-                kt = KC_DESC.load([(slab + start).to(tl.int32), 0]).T
-                vt = VC_DESC.load([(slab + start).to(tl.int32), 0])
-            else:
-                kt = load_kv_tile(kc_base, start + offs_t, HEAD_DIM, offs_d, never, HEAD_DIM, BLOCK_D, False, True)
-                vt = load_kv_tile(vc_base, start + offs_t, HEAD_DIM, offs_d, never, HEAD_DIM, BLOCK_D, False, False)
+            kt, vt = _slab_tile(KC_DESC, VC_DESC, kc_base, vc_base, slab, start, start + offs_t, offs_d, never, HEAD_DIM, BLOCK_D, False, TABLE_TMA)
             m_i, l_i, acc = online_update(q, kt, vt, never, m_i, l_i, acc, qk_scale, False, DOT_F32)
         for start in range(clean_end, n_span, TILE_N):
             slots = start + offs_t
@@ -272,12 +283,7 @@ def _block_sparse_fwd(
             used = in_span & (((words >> (slots % 32)) & 1) != 0)
             ids = tl.load(ids_base + slots, mask=used, other=0)
             ok = used[None, :] & (ids[None, :] <= pos[:, None])
-            if TABLE_TMA:
-                kt = KC_DESC.load([(slab + start).to(tl.int32), 0]).T
-                vt = VC_DESC.load([(slab + start).to(tl.int32), 0])
-            else:
-                kt = load_kv_tile(kc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, True, True)
-                vt = load_kv_tile(vc_base, slots, HEAD_DIM, offs_d, in_span, HEAD_DIM, BLOCK_D, True, False)
+            kt, vt = _slab_tile(KC_DESC, VC_DESC, kc_base, vc_base, slab, start, slots, offs_d, in_span, HEAD_DIM, BLOCK_D, True, TABLE_TMA)
             m_i, l_i, acc = online_update(q, kt, vt, ok, m_i, l_i, acc, qk_scale, True, DOT_F32)
 
     if GRID_COLS:
