@@ -207,3 +207,30 @@ def test_last_row_only_keeps_the_next_token(model):
     torch.testing.assert_close(got[:, -1], stock[:, -1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[:, :-1], stock[:, :-1]), "earlier rows of the last layer were skipped"
     assert out.shape == (1, N + 4)
+
+
+def test_a_repeat_prefill_makes_no_tensors_from_host_lists(model, monkeypatch):
+    """Head ids are made once per group: a tensor built from a host list per launch is, on CUDA, a copy that waits
+    for the stream to drain, so the host could not run ahead of the GPU (139 waits per 8B-stack prefill before;
+    benchmarks/prefill_syncs.py). A second prefill through the runtime builds none in sparsesearch code."""
+    import traceback
+
+    rows = [(0, 0, "ashape", {"sink": 4, "local": 32}), (0, 1, "vertical_slash", {"vertical_size": 16, "slash_size": 16, "last_q": 16}),
+            (1, 0, "block_topk", {"k_blocks": 3, "sink_blocks": 1}), (1, 1, "dense", {}), (2, 0, "ashape", {"sink": 0, "local": 64})]
+    x = ids()
+    apply(model, artifact(rows), min_tokens=16)
+    try:
+        logits(model, x)  # warm: the per-group ids are made here
+        made, real = [], torch.tensor
+
+        def watched(*args, **kwargs):
+            where = [f"{f.filename.rsplit('/sparsesearch/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()[:-1] if "/sparsesearch/" in f.filename]
+            if where:
+                made.append(where[-1])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "tensor", watched)
+        logits(model, x)
+    finally:
+        remove(model)
+    assert made == []
