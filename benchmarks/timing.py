@@ -151,8 +151,8 @@ def interleaved_ms(
     most ``max_reps``). With explicit counts exactly ``warmup + reps`` rounds run and no probe.
     Each median is over that fn's ``reps`` timed calls. ``clock`` defaults to ``cpu_clock()``.
     ``gap_ms``: the device idles that long before every call, so each starts from the same power state. On an
-    H200 the call right after a 250 ms full-power SDPA call ran up to 10% slower than the same call back to back
-    (RESULTS.md, Run 13); without a gap a kernel paired with SDPA pays that every time.
+    H200 the call right after a full-power SDPA call ran 10-23% slower than from idle (RESULTS.md, Run 13);
+    without a gap a kernel paired with SDPA pays that every time. The gaps count against the time budgets.
     """
     if not fns:
         raise ValueError("interleaved_ms needs at least one callable")
