@@ -8,7 +8,7 @@ t = fixed + per_tile x tiles. Two more indexes isolate the intercept: "diag_only
 (diagonal) block and no full one, "null" lists nothing (a program loads Q, stores O and lse, and leaves). Each
 launch config (``--config``, JSON objects of launch overrides; default the device's own) is replayed from a CUDA
 graph; the configs of a case alternate in one loop (benchmarks/timing.py), L2 flushed before each call. SDPA gets
-its own loop once per length: right after a full-power SDPA call (250 ms at 128K) the next call runs up to 10%
+its own loop once per length: right after a full-power SDPA call (250 ms at 128K) the next call runs 10-23%
 slower, so pairing each call with SDPA would charge that to whichever config follows it (RESULTS.md, Run 13).
 
 The fit (least squares over the top-k rows with at least ``--fit-from`` tiles per row) reports the fixed cost in
