@@ -81,12 +81,11 @@ class GraphedIndexCache:
 
     @staticmethod
     def _capture(g, q: torch.Tensor, k: torch.Tensor, space: str) -> _Entry:
-        from .execute import estimate_heads
+        from .execute import device_ids, estimate_heads
 
         module = pattern(g.pattern)
         q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)  # the heads the eager build slices
-        qi = torch.tensor(q_ids, device=q.device)
-        ki = torch.tensor(kv_ids, device=q.device)
+        qi, ki = device_ids(tuple(q_ids), q.device), device_ids(tuple(kv_ids), q.device)
         sq, sk = q.index_select(1, qi), k.index_select(1, ki)
 
         def build() -> BlockIndex:

@@ -393,8 +393,9 @@ def check_index(index: BlockIndex, batch: int, index_heads: int, q_len_max: int,
         raise ValueError("index count tensors must share strides (build them together or call .contiguous())")
 
 
-# Head maps already found valid, keyed by storage address, version counter, length, stride and head count. Each entry
-# holds its tensor, so no other tensor can take that address while the entry lives; writing to it bumps the version.
+# Head maps already found valid, keyed by device, storage address, version counter, length, stride and head count.
+# Each entry holds its tensor, so no other tensor can take that address while the entry lives; writing to it bumps
+# the version. The device is in the key because a host and a device address can be the same number.
 _VALID_HEADS: dict[tuple, torch.Tensor] = {}
 
 
@@ -406,7 +407,7 @@ def _check_head_map(heads: torch.Tensor | None, space_heads: int, device: torch.
         return None
     if heads.dim() != 1 or heads.dtype != torch.int32 or heads.device != device:
         raise ValueError(f"heads must be a 1-D int32 tensor on {device}, got {heads.dtype} {tuple(heads.shape)} on {heads.device}")
-    key = (heads.data_ptr(), heads._version, heads.numel(), heads.stride(0), space_heads)
+    key = (heads.device, heads.data_ptr(), heads._version, heads.numel(), heads.stride(0), space_heads)
     if key in _VALID_HEADS:
         return heads.numel()
     ids = heads.tolist()
