@@ -67,6 +67,7 @@ def cases(q, k, k_blocks: list[int], block: int) -> dict:
 
 def run(args) -> list[dict]:
     from sparsesearch.kernels import block_sparse_attention
+    from sparsesearch.kernels.block_sparse import _launch_config
 
     clock, flush = cuda_clock(), l2_flush()
     configs = [json.loads(c) for c in args.config] if args.config else [None]
@@ -83,7 +84,9 @@ def run(args) -> list[dict]:
         for name, index in cases(q, k, args.k_blocks, args.block).items():
             tiles = (index.full_count + index.partial_count).float().mean().item()
             density = computed_density(index, n)
-            fns = [graphed(lambda c=c: block_sparse_attention(q, k, v, index, config=None if c is None else dict(c)))
+            # --config objects override the device's own launch config (a bare one would drop TILE_N and TMA).
+            base = _launch_config(args.block, args.block, q.shape[-1], q.device)
+            fns = [graphed(lambda c=c: block_sparse_attention(q, k, v, index, config=None if c is None else {**base, **c}))
                    for c in configs]
             timed = interleaved_ms(fns, clock=clock, flush=flush)
             for c, ms in zip(configs, timed.ms):

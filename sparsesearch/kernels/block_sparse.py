@@ -35,6 +35,7 @@ from ._common import (
     LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, interpreting, load_kv_tile,
     online_update,
 )
+from .block_sparse_ws import block_sparse_ws_attention, ws_eligible
 from .column_slabs import column_slabs
 from .region_runs import fold_runs
 
@@ -330,7 +331,8 @@ def _device_config(block_n: int, head_dim: int, device: torch.device, interpret:
     tile_n = min(block_n, 64 if head_dim <= 128 else 32)
     if interpret:
         return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 1}
-    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": torch.cuda.get_device_capability(device)[0] >= 9}
+    major = torch.cuda.get_device_capability(device)[0]
+    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": major >= 9, "ws": major == 9}
 
 
 def _pack(index: BlockIndex, group: int, head_dim: int) -> int:
@@ -505,6 +507,11 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
+    # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
+    # the per-program fixed cost hidden under the next item's loads.
+    if launch.pop("ws", False) and served is None and maps is None and row_pos is None and lines is None and not varlen \
+            and out.is_contiguous() and lse.is_contiguous() and ws_eligible(q, k, v, index):
+        return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse)
     # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
     table = index.col_table if launch.pop("col_table", True) else None
     if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):

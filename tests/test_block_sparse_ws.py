@@ -1,0 +1,140 @@
+"""The persistent warp-specialized Hopper kernel (kernels/block_sparse_ws.py).
+
+CPU: which launches it takes, and that it compiles for sm_90 with the installed Triton (Gluon has no
+interpreter; the compile runs the whole pipeline down to SASS, no GPU needed). On a Hopper GPU: outputs against
+the fp32 oracle on odd lengths, batch 2, bottom-right alignment, empty rows, d 64 and fp16, and against the
+Triton kernel it replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from indices import random_index
+from sparsesearch.index import validate
+from sparsesearch.kernels import block_sparse_attention
+from sparsesearch.kernels import block_sparse_ws as ws
+from sparsesearch.kernels.block_sparse import _launch_config
+from sparsesearch.reference import index_mask_fn
+from test_kernels import assert_close, qkv
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _plain(batch=1, q_heads=4, kv_heads=2, n=130, dim=128, dtype=torch.bfloat16, **kw):
+    q, k, v = (torch.empty(batch, h, n, dim, dtype=dtype) for h in (q_heads, kv_heads, kv_heads))
+    index = random_index(batch, kv_heads, n, n, 64, 64, head_space="kv", **kw)
+    return q, k, v, index
+
+
+def test_shapes_fit_the_plain_kv_space_launch_only():
+    q, k, v, index = _plain()
+    assert ws.ws_shapes_fit(q, k, v, index)
+    assert not ws.ws_eligible(q, k, v, index), "CPU tensors never take the GPU kernel"
+    assert not ws.ws_shapes_fit(*_plain(dim=96)[:3], _plain(dim=96)[3])
+    assert not ws.ws_shapes_fit(*_plain(dtype=torch.float32))
+    assert not ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # odd GQA group: no head pairs
+    assert not ws.ws_shapes_fit(*_plain(columns=3))
+    assert not ws.ws_shapes_fit(*_plain(window=50))
+    assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, sink=1))
+    assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
+    assert not ws.ws_shapes_fit(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, index)
+
+
+def _compile(head_dim: int, stages: int, pair: int):
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
+    qd, kd = ws._head_descriptor(q), ws._row_descriptor(q[:, :2].contiguous())
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, PAIR=pair, CONSUMER_REGS=232)
+    fn = ws._block_sparse_ws_fwd
+    signature = {}
+    for name in fn.arg_names:
+        if name in ("q_desc", "o_desc"):
+            signature[name] = mangle_type(qd)
+        elif name in ("k_desc", "v_desc"):
+            signature[name] = mangle_type(kd)
+        elif name in consts:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = {"LSE": "*fp32", "qk_scale": "fp32"}.get(name, "*i32" if name.isupper() else "i32")
+    constants = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+    return triton_compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _compile_report(head_dim: int, stages: int, pair: int) -> None:
+    """Print the compiled kernel's shared memory and the Hopper instructions its PTX holds, as JSON."""
+    kernel = _compile(head_dim, stages, pair)
+    ptx = kernel.asm["ptx"]
+    ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "ld.local")
+    print(json.dumps({"shared": kernel.metadata.shared, **{op: op in ptx for op in ops}}))
+
+
+@pytest.mark.parametrize("head_dim,stages,pair", [(128, 3, 1), (128, 2, 2), (64, 3, 1)])
+def test_compiles_for_hopper_within_shared_memory(head_dim, stages, pair):
+    # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {pair})"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
+    assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
+    assert not report["ld.local"], "the consumers spill registers"
+
+
+CASES = [
+    # batch, q_heads, kv_heads, q_len, kv_len, dim, dtype
+    (2, 4, 2, 200, 200, 128, torch.bfloat16),
+    (1, 8, 2, 333, 333, 64, torch.float16),
+    (1, 4, 1, 100, 260, 128, torch.bfloat16),  # bottom-right: queries are the last 100 of 260 keys
+    (2, 2, 1, 64, 64, 128, torch.bfloat16),
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
+@pytest.mark.parametrize("pair", [1, 2])
+def test_matches_oracle_and_the_triton_kernel(case, pair):
+    batch, q_heads, kv_heads, q_len, kv_len, dim, dtype = case
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype)
+    index = random_index(batch, kv_heads, q_len, kv_len, 64, 64, density=0.6, head_space="kv", device="cuda")
+    validate(index, q_len, kv_len)
+    assert ws.ws_eligible(q, k, v, index)
+    out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5, stages=2, pair=pair)
+    assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, q_heads // kv_heads))
+    triton_cfg = {key: val for key, val in _launch_config(64, 64, dim, q.device).items() if key != "ws"}
+    ref_o, ref_l = block_sparse_attention(q, k, v, index, config=triton_cfg)
+    torch.testing.assert_close(out.float(), ref_o.float(), atol=2e-2, rtol=0)
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref_l[finite], atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+def test_default_launch_takes_it_and_fills_given_buffers():
+    """block_sparse_attention routes a plain launch here, writing into the caller's out/lse; rows with no
+    admitted key stay zeros with lse -inf."""
+    q, k, v = qkv(1, 4, 2, 256, 256, 128, torch.bfloat16)
+    index = random_index(1, 2, 256, 256, 64, 64, density=0.5, head_space="kv", device="cuda")
+    index = dataclasses.replace(index, full_count=index.full_count.clone(), partial_count=index.partial_count.clone())
+    index.full_count[0, 0, 1] = 0
+    index.partial_count[0, 0, 1] = 0  # query block 1 of kv head 0: nothing admitted
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    got_o, got_l = block_sparse_attention(q, k, v, index, out=out, lse=lse)
+    assert got_o.data_ptr() == out.data_ptr() and got_l.data_ptr() == lse.data_ptr()
+    assert_close(out, lse, q, k, v, index_mask_fn(index, 256, 256, 2))
+    assert bool((out[0, :2, 64:128] == 0).all()) and bool((lse[0, :2, 64:128] == float("-inf")).all())
