@@ -6,7 +6,8 @@ Block top-k indexes (64 x 64 blocks, kv head space, 32 query / 8 KV heads, d=128
 about the same number of key blocks, so the kernel's time is close to linear in tiles per row:
 t = fixed + per_tile x tiles. Two more indexes isolate the intercept: "diag_only" keeps each row's partial
 (diagonal) block and no full one, "null" lists nothing (a program loads Q, stores O and lse, and leaves). Each
-launch config (``--config``, JSON objects of launch overrides; default the device's own) is replayed from a CUDA
+launch config (``--config``, JSON objects of launch overrides on top of the device's own; on Hopper that default
+is the warp-specialized kernel, ``{"ws": false}`` times the Triton one) is replayed from a CUDA
 graph; the configs of a case alternate in one loop (benchmarks/timing.py), L2 flushed before each call. SDPA gets
 its own loop once per length: right after a full-power SDPA call (250 ms at 128K) the next call runs 10-23%
 slower, so pairing each call with SDPA would charge that to whichever config follows it (RESULTS.md, Run 13).
@@ -65,6 +66,20 @@ def cases(q, k, k_blocks: list[int], block: int) -> dict:
     return out
 
 
+def gqa_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random bf16 q [1, 32, n, 128], k/v [1, 8, n, 128] on the GPU: the shapes these benchmarks time."""
+    torch.manual_seed(n)
+    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def sdpa_alone_ms(q, k, v, clock, flush) -> float:
+    """Causal GQA SDPA replayed from a graph in its own loop (not paired with the kernels: Run 13)."""
+    sdpa = graphed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    return interleaved_ms([sdpa], clock=clock, flush=flush).ms[0]
+
+
 def run(args) -> list[dict]:
     from sparsesearch.kernels import block_sparse_attention
     from sparsesearch.kernels.block_sparse import _launch_config
@@ -75,12 +90,8 @@ def run(args) -> list[dict]:
     device = torch.cuda.get_device_name()
     rows = []
     for n in args.n:
-        torch.manual_seed(n)
-        q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        sdpa = graphed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-        sdpa_ms = interleaved_ms([sdpa], clock=clock, flush=flush).ms[0]
+        q, k, v = gqa_inputs(n)
+        sdpa_ms = sdpa_alone_ms(q, k, v, clock, flush)
         for name, index in cases(q, k, args.k_blocks, args.block).items():
             tiles = (index.full_count + index.partial_count).float().mean().item()
             density = computed_density(index, n)

@@ -17,7 +17,9 @@ of the original K/V before the launch (region_runs.py; the rest become partial b
 lines are index arithmetic (index.GridLines). An index whose columns come with a column table
 (index.ColumnTable, vertical-slash) has them read from contiguous per-head slabs of the table's K/V rows
 (column_slabs.py) as plain (TMA) tiles, unmasked over each block's clean run, instead of gathered token by
-token. Without any of these the flags are constexpr off and the kernel is the plain one. Outputs: out like q; lse fp32
+token. Without any of these the flags are constexpr off and the kernel is the plain one. On a Hopper GPU the plain
+kv-space launch (dense, 64-blocks, full + partial lists only) goes to the persistent warp-specialized Gluon kernel
+of block_sparse_ws.py instead (launch config key ``ws``). Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -454,7 +456,8 @@ def block_sparse_attention(
     head heads[i]. Other heads of out/lse are left untouched, so one launch per pattern group can fill a
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages, tma, pack: query heads stacked per program, kv
-    head space only; col_table: False reads the column lists even when the index has a table) for tuning;
+    head space only; col_table: False reads the column lists even when the index has a table; ws: True sends a
+    plain launch to block_sparse_ws.py, the device default on Hopper, absent = the Triton kernel) for tuning;
     None picks per device and index. The column table serves dense launches in the plain frame only: with
     cu_seqlens, row_pos, maps or lines the column lists are read.
     row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i

@@ -1,0 +1,75 @@
+"""The persistent warp-specialized kernel (kernels/block_sparse_ws.py) against the Triton kernel it replaces.
+
+    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3 --pair 1]
+
+Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads, d=128, bf16) plus the
+"diag_only" and "null" indexes of benchmarks/program_cost.py. Each row checks the new kernel against the Triton one
+(max |out| and |lse| difference, -inf lse where Triton has it), then times Triton, new, Triton in one loop from CUDA
+graphs with the L2 flushed (ABA: neither kernel always follows the other), and SDPA in its own loop once per length
+(RESULTS.md, Run 13). Efficiency = density x t_SDPA / t. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from benchmarks.kernels import computed_density
+from benchmarks.program_cost import cases, gqa_inputs, sdpa_alone_ms
+from benchmarks.rows import emit
+from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
+
+
+def run(args) -> list[dict]:
+    from sparsesearch.kernels import block_sparse_attention
+    from sparsesearch.kernels.block_sparse import _launch_config
+    from sparsesearch.kernels.block_sparse_ws import block_sparse_ws_attention, ws_eligible
+
+    clock, flush = cuda_clock(), l2_flush()
+    command = "python -m benchmarks.ws_ab " + " ".join(sys.argv[1:])
+    rows = []
+    for n in args.n:
+        q, k, v = gqa_inputs(n)
+        sdpa_ms = sdpa_alone_ms(q, k, v, clock, flush)
+        triton_cfg = {key: val for key, val in _launch_config(64, 64, 128, q.device).items() if key != "ws"}
+        new = lambda index: block_sparse_ws_attention(q, k, v, index, scale=1 / math.sqrt(128), stages=args.stages, pair=args.pair)
+        old = lambda index: block_sparse_attention(q, k, v, index, config=dict(triton_cfg))
+        for name, index in cases(q, k, args.k_blocks, 64).items():
+            if not ws_eligible(q, k, v, index):
+                raise SystemExit(f"{name}: the new kernel does not take this launch")
+            (o1, l1), (o2, l2) = old(index), new(index)
+            finite = torch.isfinite(l1)
+            timed = interleaved_ms([graphed(lambda: old(index)), graphed(lambda: new(index)), graphed(lambda: old(index))],
+                                   clock=clock, flush=flush)
+            t_old, t_new = (timed.ms[0] + timed.ms[2]) / 2, timed.ms[1]
+            density = computed_density(index, n)
+            rows += emit([{
+                "bench": "ws_ab", "device": torch.cuda.get_device_name(), "n": n, "case": name, "density": round(density, 5),
+                "stages": args.stages, "pair": args.pair, "triton_ms": round(t_old, 4), "ws_ms": round(t_new, 4),
+                "speedup": round(t_old / t_new, 3), "sdpa_ms": round(sdpa_ms, 3),
+                "eff_triton": round(density * sdpa_ms / t_old, 4) if density else None,
+                "eff_ws": round(density * sdpa_ms / t_new, 4) if density else None,
+                "max_out_diff": round((o1.float() - o2.float()).abs().max().item(), 5),
+                "max_lse_diff": round((l1[finite] - l2[finite]).abs().max().item(), 5) if finite.any() else 0.0,
+                "empty_rows_match": bool(torch.equal(finite, torch.isfinite(l2))), "reps": timed.reps,
+            }], command)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, nargs="+", default=[32768])
+    parser.add_argument("--k-blocks", type=int, nargs="+", default=[12, 24, 48])
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--pair", type=int, default=1, choices=[1, 2])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
