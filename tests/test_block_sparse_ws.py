@@ -46,6 +46,8 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, sink=1))
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
     assert not ws.ws_shapes_fit(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, index)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # contiguous, base 2 bytes off
+    assert not ws.ws_shapes_fit(shifted, k, v, index)
 
 
 def _compile(head_dim: int, stages: int, pair: int):

@@ -513,7 +513,7 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
     # the per-program fixed cost hidden under the next item's loads.
     if launch.pop("ws", False) and served is None and maps is None and row_pos is None and lines is None and not varlen \
-            and out.is_contiguous() and lse.is_contiguous() and ws_eligible(q, k, v, index):
+            and out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.is_contiguous() and ws_eligible(q, k, v, index):
         return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse)
     # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
     table = index.col_table if launch.pop("col_table", True) else None

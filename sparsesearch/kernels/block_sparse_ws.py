@@ -287,6 +287,8 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
     """ws_eligible less the device: layouts, dtypes, head dim, block size and the index's contents."""
     if q.dim() != 4 or q.dtype not in _GL_DTYPES or not all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)):
         return False
+    if any(t.data_ptr() % 16 for t in (q, k, v)):  # TMA descriptors need 16-byte aligned bases
+        return False
     if q.shape[-1] not in (64, 128) or index.block_m != TILE or index.block_n != TILE or index.head_space != "kv":
         return False
     if index.col_count is not None or index.col_table is not None or index.window != -1 or index.sink:
