@@ -86,6 +86,16 @@ def online_update(q, kt, v, ok, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, D
     return m_new, l_i, acc
 
 
+def index_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    """(batch, head, query-block) strides of an index count or list tensor, (0, 0, 0) for None; ValueError
+    unless the last dim is contiguous (the kernels read a row of a list with unit stride)."""
+    if t is None:
+        return (0, 0, 0)
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"index lists must be contiguous in their last dim, got stride {t.stride(-1)}")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, region: bool = False) -> None:
     """Raise ValueError (before any launch) for shapes, dtypes or devices the kernels do not take.
     region: a permuted modality region (row_pos given) may have more query rows than keys."""

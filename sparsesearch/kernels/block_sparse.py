@@ -34,8 +34,8 @@ import triton.language as tl
 
 from ..index import BlockIndex, GridLines, RegionMaps, num_blocks
 from ._common import (
-    LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, interpreting, load_kv_tile,
-    online_update,
+    LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, index_strides, interpreting,
+    load_kv_tile, online_update,
 )
 from .block_sparse_ws import block_sparse_ws_attention, ws_eligible
 from .column_slabs import column_slabs
@@ -373,14 +373,6 @@ def _row_descriptor(t: torch.Tensor, tile_n: int):
     return TensorDescriptor.from_tensor(flat, [tile_n, t.shape[-1]])
 
 
-def _index_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
-    if t is None:
-        return (0, 0, 0)
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"index lists must be contiguous in their last dim, got stride {t.stride(-1)}")
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def check_index(index: BlockIndex, batch: int, index_heads: int, q_len_max: int, device: torch.device) -> None:
     """Raise ValueError when an index cannot drive attention over these inputs (index_heads: rows it needs)."""
     if index.heads != index_heads:
@@ -528,7 +520,7 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     if full_starts:
         # Full blocks that are one run of the map become plain slabs of the original keys (region_runs.py).
         for lists in (full_idx, partial_idx):
-            _index_strides(lists)  # fold_runs reads them with a unit last stride, as the kernel does
+            index_strides(lists)  # fold_runs reads them with a unit last stride, as the kernel does
         full_count, full_idx, partial_count, partial_idx = fold_runs(index, col_map)
         col_count = None if col_count is None else col_count.contiguous()  # counts share one stride set
     group = q_heads // kv_heads
@@ -575,8 +567,8 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
         0 if maps is None else maps.pos_shift,
         *((lines.stride, lines.row_phase, lines.row_lines, lines.col_phase) if lines is not None else (1, 0, 0, 0)),
         *sq, *sk, *sv, *so, *sl,
-        *_index_strides(full_count), *_index_strides(full_idx),
-        *_index_strides(partial_idx), *_index_strides(index.col_idx), *table_strides,
+        *index_strides(full_count), *index_strides(full_idx),
+        *index_strides(partial_idx), *index_strides(index.col_idx), *table_strides,
         GROUP=group, INDEX_PER_KV=index.head_space == "kv",
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=index.block_m, BLOCK_N=index.block_n,
         VARLEN=varlen, HAS_COLS=has_cols, HAS_WINDOW=index.window >= 0, DOT_F32=dot_f32(q.dtype),

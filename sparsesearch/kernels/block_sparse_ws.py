@@ -10,11 +10,12 @@ Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
-- the default partition (PACK warpgroups, one head's 64 rows each) runs QK^T and PV on wgmma, the online
+- PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma, the online
   softmax in registers (P never leaves them) and the causal mask only on partial tiles; O leaves through an
   asynchronous TMA store that overlaps the next item.
-Loads use 3D descriptors ([B*H, N, D], boxes [PACK or 1, 64, D]): rows past N read as zeros and stores past N
-are clipped by the TMA unit, so no row masks are needed on K/V/O.
+Q and O go through 3D descriptors ([B*H, N, D], [1, 64, D] boxes): rows past N read as zeros and stores past N
+are dropped by the TMA unit, so they need no row masks. K/V go through 2D ones ([B*H*N, D], [64, D] boxes); a
+box past the last key reads the next head's rows or zeros, which only a partial block's masked columns hold.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..index import BlockIndex
-from ._common import LOG2E
+from ._common import LOG2E, index_strides
 
 # Gluon renamed its TMA copies (triton 3.6 on the GPU hosts: async_copy_*; 3.9 here: async_load/async_store, the
 # old names raise): take whichever this triton has.
@@ -43,11 +44,12 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 
 
 @gluon.jit
-def _item(w, n_qb, packs):
-    """Work item w -> (bh pack index, query block): query blocks run fastest, heaviest (last) first."""
+def _item(w, n_qb, packs_per_batch, PACK: gl.constexpr, GROUP: gl.constexpr):
+    """Work item w -> (batch, first query head, its KV head, query block): query blocks run fastest, heaviest
+    (last) first. PACK divides GROUP, so the item's heads share the KV head."""
     hp = w // n_qb
-    m_block = n_qb - 1 - w % n_qb
-    return hp, m_block
+    h0 = (hp % packs_per_batch) * PACK
+    return hp // packs_per_batch, h0, h0 // GROUP, n_qb - 1 - w % n_qb
 
 
 @gluon.jit
@@ -94,17 +96,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        hp, m_block = _item(w, n_qb, packs_per_batch)
-        b = hp // packs_per_batch
-        h0 = (hp % packs_per_batch) * PACK
-        kv_h = h0 // GROUP
+        b, h0, kv_h, m_block = _item(w, n_qb, packs_per_batch, PACK, GROUP)
         qb = it % 2
         # Q buffer qb was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         for p in gl.static_range(PACK):
-            _tma_load(q_desc, [b * q_heads + h0 + p, m_block * BLOCK, 0], q_ready.index(qb),
-                                            q_smem.index(qb * PACK + p))
+            _tma_load(q_desc, [b * q_heads + h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
         c_off = b * s_cb + kv_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         n_part = gl.load(PART_CNT + c_off)
@@ -130,8 +128,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-              PART_CNT, FULL_CNT, PART_IDX, FULL_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-              qk_scale, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+              PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
+              qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm,
               HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
               PAIR: gl.constexpr, HEAD: gl.constexpr):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against key tiles of PAIR blocks. The heads'
@@ -149,14 +147,11 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        hp, m_block = _item(w, n_qb, packs_per_batch)
-        b = hp // packs_per_batch
-        h = (hp % packs_per_batch) * PACK + HEAD
-        kv_h = h // GROUP
+        b, h0, kv_h, m_block = _item(w, n_qb, packs_per_batch, PACK, GROUP)
+        h = h0 + HEAD
         c_off = b * s_cb + kv_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
-        f_base = FULL_IDX + b * s_fb + kv_h * s_fh + m_block * s_fm
         p_base = PART_IDX + b * s_pb + kv_h * s_ph + m_block * s_pm
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
@@ -238,13 +233,11 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, LSE, FULL_CNT, FULL_IDX
         mbarrier.init(kv_empty.index(i), count=PACK)
     gl.warp_specialize([
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_CNT, FULL_CNT, PART_IDX, FULL_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-                     qk_scale, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR,
-                     0)),
+                     PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
+                     qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR, 0)),
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_CNT, FULL_CNT, PART_IDX, FULL_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-                     qk_scale, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR,
-                     1)),
+                     PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
+                     qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR, 1)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
                      FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, n_items, n_qb, packs_per_batch, kv_heads, q_heads, kv_len,
                      s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, PACK, GROUP, STAGES, PAIR)),
@@ -254,21 +247,21 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, LSE, FULL_CNT, FULL_IDX
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+def _descriptor(flat: torch.Tensor, box: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over all of ``flat`` with ``box``-shaped tiles in the default swizzled layout."""
+    layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[flat.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
+
+
 def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """[B, H, N, D] contiguous as [B*H, N, D] with [1, 64, D] boxes: rows past N read as zeros, stores there
-    are dropped (Q and O)."""
+    """[B, H, N, D] contiguous as [B*H, N, D] with [1, 64, D] boxes (Q and O; module docstring)."""
     b, h, n, d = t.shape
-    flat = t.view(b * h, n, d)
-    box = [1, TILE, d]
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype]))
+    return _descriptor(t.view(b * h, n, d), [1, TILE, d])
 
 
 def _row_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """[B, H, N, D] contiguous as [B*H*N, D] with [64, D] boxes (K and V): a box may run into the next head's
-    rows, which only a partial block's masked columns ever hold."""
-    flat = t.view(-1, t.shape[-1])
-    box = [TILE, t.shape[-1]]
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype]))
+    """[B, H, N, D] contiguous as [B*H*N, D] with [64, D] boxes (K and V; module docstring)."""
+    return _descriptor(t.view(-1, t.shape[-1]), [TILE, t.shape[-1]])
 
 
 @functools.cache
@@ -301,7 +294,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                               stages: int = 3, pair: int = 1, consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given, contiguous): the plain
-    path of block_sparse_attention. ws_eligible says what it takes; the caller has checked the index.
+    path of block_sparse_attention. ws_eligible says what it takes; the caller has checked the index
+    (block_sparse.check_index).
     stages: K/V ring depth; pair: key blocks per tile (1 or 2; 2 fits 2 stages of shared memory at d=128).
     H200, 32K, block top-k: 1 block x 3 stages ran 4-10% faster than 2 x 2 (benchmarks/RESULTS.md, Run 15)."""
     batch, q_heads, q_len, head_dim = q.shape
@@ -313,16 +307,12 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     packs = q_heads // pack
     n_items = batch * packs * n_qb
     grid = (min(n_items, _sm_count(q.device)),)
-    # The kernel reads both counts with one stride set and the lists with a unit last stride.
-    fc, pc = (t if t.stride() == index.full_count.stride() and t.stride()[-1] == 1 else t.contiguous()
-              for t in (index.full_count, index.partial_count))
-    if fc.stride() != pc.stride():
-        fc, pc = fc.contiguous(), pc.contiguous()
-    fi, pi = (t if t.stride(-1) == 1 else t.contiguous() for t in (index.full_idx, index.partial_idx))
+    # Both counts are read with full_count's strides: check_index has made sure the counts share them.
     _block_sparse_ws_fwd[grid](
         _head_descriptor(q), _row_descriptor(k), _row_descriptor(v), _head_descriptor(out), lse,
-        fc, fi, pc, pi, n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, scale * LOG2E,
-        *fc.stride(), *fi.stride()[:3], *pi.stride()[:3],
+        index.full_count, index.full_idx, index.partial_count, index.partial_idx,
+        n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, scale * LOG2E,
+        *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
         HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, PAIR=pair,
         CONSUMER_REGS=consumer_regs, num_warps=4,
     )
