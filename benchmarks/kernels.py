@@ -98,6 +98,20 @@ def flex_block_mask(index: BlockIndex, n: int, q_heads: int, mask_mod, tail_from
     return BlockMask.from_kv_blocks(p_count, p_idx, f_count, f_idx, BLOCK_SIZE=(index.block_m, index.block_n), mask_mod=mask_mod, seq_lengths=(n, n))
 
 
+VS_CASES = (("vs_planted_1000v_2048s", 1000, 2048), ("vs_vertical_heavy_4000v_256s", 4000, 256))
+
+
+def planted_vs_lines(n: int, h_kv: int, device, n_vert: int, n_slash: int, gen: torch.Generator):
+    """Planted vertical-slash lines for every KV head: a band of the nearest n_slash diagonals and n_vert fixed
+    columns (the first 30 forced, the rest drawn from ``gen``)."""
+    vert = torch.cat([torch.arange(30), 30 + torch.randperm(n - 30, generator=gen)[: n_vert - 30]]).sort().values
+    return vertical_slash.VSLines(
+        vertical=vert.to(device).expand(1, h_kv, -1).contiguous(),
+        slash=torch.arange(n_slash, device=device).expand(1, h_kv, -1).contiguous(),
+        q_len=n, kv_len=n, head_space="kv",
+    )
+
+
 def make_cases(n: int, q, k, args):
     """(name, params dict, build_index() -> (index, run, mask_mod, tail_from))."""
     h_kv = k.shape[1]
@@ -115,14 +129,8 @@ def make_cases(n: int, q, k, args):
         cases.append((f"ashape_128_4096{suffix}", {"sink": 128, "local": 4096, "block": block},
                       lambda b=block: (ashape.build_index(a, n, heads=h_kv, block_m=b, block_n=b, head_space="kv", device=dev), None, ashape.predicate(a), None)))
     gen = torch.Generator().manual_seed(0)
-    for name, n_vert, n_slash in (("vs_planted_1000v_2048s", 1000, 2048), ("vs_vertical_heavy_4000v_256s", 4000, 256)):
-        # Planted structure: a band of the nearest n_slash diagonals and n_vert fixed columns (first 30 forced).
-        vert = torch.cat([torch.arange(30), 30 + torch.randperm(n - 30, generator=gen)[: n_vert - 30]]).sort().values
-        lines = vertical_slash.VSLines(
-            vertical=vert.to(dev).expand(1, h_kv, -1).contiguous(),
-            slash=torch.arange(n_slash, device=dev).expand(1, h_kv, -1).contiguous(),
-            q_len=n, kv_len=n, head_space="kv",
-        )
+    for name, n_vert, n_slash in VS_CASES:
+        lines = planted_vs_lines(n, h_kv, dev, n_vert, n_slash, gen)
         for bm, bn in ((64, 64), (128, 64)):
             cases.append((f"{name}_b{bm}x{bn}", {"vertical": n_vert, "slash": n_slash, "block_m": bm, "block_n": bn},
                           lambda lines=lines, bm=bm, bn=bn: (vertical_slash.index_from_lines(lines, block_m=bm, block_n=bn), None, None, None)))

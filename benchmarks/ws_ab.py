@@ -1,9 +1,10 @@
 """The persistent warp-specialized kernel (kernels/block_sparse_ws.py) against the Triton kernel it replaces.
 
-    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3 --pair 1]
+    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3] [--vs]
 
 Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads, d=128, bf16) plus the
-"diag_only" and "null" indexes of benchmarks/program_cost.py. Each row checks the new kernel against the Triton one
+"diag_only" and "null" indexes of benchmarks/program_cost.py (--vs: also benchmarks/kernels.py's planted vertical-slash indexes, whose
+columns both kernels read from the column table). Each row checks the new kernel against the Triton one
 (max |out| and |lse| difference, -inf lse where Triton has it), then times Triton, new, Triton in one loop from CUDA
 graphs with the L2 flushed (ABA: neither kernel always follows the other), and SDPA in its own loop once per length
 (RESULTS.md, Run 13). Efficiency = density x t_SDPA / t. Needs a Hopper GPU.
@@ -17,10 +18,23 @@ import sys
 
 import torch
 
-from benchmarks.kernels import computed_density
+from benchmarks.kernels import VS_CASES, computed_density, planted_vs_lines
 from benchmarks.program_cost import cases, gqa_inputs, sdpa_alone_ms
 from benchmarks.rows import emit
 from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
+
+
+def _cases(q, k, args) -> dict:
+    """name -> index: program_cost's top-k/diag_only/null indexes, plus the vertical-slash ones with --vs."""
+    from sparsesearch.patterns import vertical_slash
+
+    out = cases(q, k, args.k_blocks, 64)
+    if args.vs:
+        gen = torch.Generator().manual_seed(0)
+        for name, n_vert, n_slash in VS_CASES:
+            lines = planted_vs_lines(q.shape[2], k.shape[1], q.device, n_vert, n_slash, gen)
+            out[name] = vertical_slash.index_from_lines(lines, block_m=64, block_n=64)
+    return out
 
 
 def run(args) -> list[dict]:
@@ -35,9 +49,9 @@ def run(args) -> list[dict]:
         q, k, v = gqa_inputs(n)
         sdpa_ms = sdpa_alone_ms(q, k, v, clock, flush)
         triton_cfg = {key: val for key, val in _launch_config(64, 64, 128, q.device).items() if key != "ws"}
-        new = lambda index: block_sparse_ws_attention(q, k, v, index, scale=1 / math.sqrt(128), stages=args.stages, pair=args.pair)
+        new = lambda index: block_sparse_ws_attention(q, k, v, index, scale=1 / math.sqrt(128), stages=args.stages)
         old = lambda index: block_sparse_attention(q, k, v, index, config=dict(triton_cfg))
-        for name, index in cases(q, k, args.k_blocks, 64).items():
+        for name, index in _cases(q, k, args).items():
             if not ws_eligible(q, k, v, index):
                 raise SystemExit(f"{name}: the new kernel does not take this launch")
             (o1, l1), (o2, l2) = old(index), new(index)
@@ -48,7 +62,7 @@ def run(args) -> list[dict]:
             density = computed_density(index, n)
             rows += emit([{
                 "bench": "ws_ab", "device": torch.cuda.get_device_name(), "n": n, "case": name, "density": round(density, 5),
-                "stages": args.stages, "pair": args.pair, "triton_ms": round(t_old, 4), "ws_ms": round(t_new, 4),
+                "stages": args.stages, "triton_ms": round(t_old, 4), "ws_ms": round(t_new, 4),
                 "speedup": round(t_old / t_new, 3), "sdpa_ms": round(sdpa_ms, 3),
                 "eff_triton": round(density * sdpa_ms / t_old, 4) if density else None,
                 "eff_ws": round(density * sdpa_ms / t_new, 4) if density else None,
@@ -64,7 +78,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[32768])
     parser.add_argument("--k-blocks", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--pair", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--vs", action="store_true", help="add the planted vertical-slash indexes (column table)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -23,7 +23,8 @@ from sparsesearch.kernels import block_sparse_attention
 from sparsesearch.kernels import block_sparse_ws as ws
 from sparsesearch.kernels.block_sparse import _launch_config
 from sparsesearch.reference import index_mask_fn
-from test_kernels import assert_close, qkv
+from sparsesearch.patterns import vertical_slash
+from test_kernels import assert_close, qkv, vs_lines
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -50,7 +51,17 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(shifted, k, v, index)
 
 
-def _compile(head_dim: int, stages: int, pair: int):
+def test_shapes_fit_columns_only_through_a_table():
+    """Vertical-slash columns come in through the index's column table; column lists alone, or a launch that
+    asks for the lists (``table=False``, the ``col_table: False`` config), keep the Triton kernel."""
+    q, k, v, _ = _plain(n=200)
+    index = vertical_slash.index_from_lines(vs_lines(1, 2, 200, 200, 40, 3, "kv"), block_m=64, block_n=64)
+    assert index.col_table is not None and ws.ws_shapes_fit(q, k, v, index)
+    assert not ws.ws_shapes_fit(q, k, v, index, table=False)
+    assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, col_table=None))
+
+
+def _compile(head_dim: int, stages: int, table: bool):
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -58,13 +69,13 @@ def _compile(head_dim: int, stages: int, pair: int):
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._row_descriptor(q[:, :2].contiguous())
-    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, PAIR=pair, CONSUMER_REGS=232)
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, TABLE=table, CONSUMER_REGS=232)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:
         if name in ("q_desc", "o_desc"):
             signature[name] = mangle_type(qd)
-        elif name in ("k_desc", "v_desc"):
+        elif name in ("k_desc", "v_desc", "kc_desc", "vc_desc"):
             signature[name] = mangle_type(kd)
         elif name in consts:
             signature[name] = "constexpr"
@@ -74,27 +85,33 @@ def _compile(head_dim: int, stages: int, pair: int):
     return triton_compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def _compile_report(head_dim: int, stages: int, pair: int) -> None:
-    """Print the compiled kernel's shared memory and the Hopper instructions its PTX holds, as JSON."""
-    kernel = _compile(head_dim, stages, pair)
+def _compile_report(head_dim: int, stages: int, table: bool) -> None:
+    """Print the compiled kernel's shared memory, the Hopper instructions its PTX holds and its register spills
+    (local stores/loads in the SASS that Triton's bundled ptxas made; PTX registers are virtual), as JSON."""
+    import re
+
+    from triton.tools.disasm import get_sass
+
+    kernel = _compile(head_dim, stages, table)
     ptx = kernel.asm["ptx"]
-    ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "ld.local")
-    print(json.dumps({"shared": kernel.metadata.shared, **{op: op in ptx for op in ops}}))
+    ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+    spills = len(re.findall(r"\b(?:STL|LDL)\b", get_sass(kernel.asm["cubin"])))
+    print(json.dumps({"shared": kernel.metadata.shared, "spills": spills, **{op: op in ptx for op in ops}}))
 
 
-@pytest.mark.parametrize("head_dim,stages,pair", [(128, 3, 1), (128, 2, 2), (64, 3, 1)])
-def test_compiles_for_hopper_within_shared_memory(head_dim, stages, pair):
+@pytest.mark.parametrize("head_dim,stages,table", [(128, 3, False), (128, 3, True), (64, 3, True)])
+def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
-    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {pair})"
+    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {table})"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
     assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
-    assert not report["ld.local"], "the consumers spill registers"
+    assert report["spills"] == 0, "a partition spills registers"
 
 
 CASES = [
@@ -108,14 +125,14 @@ CASES = [
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
-@pytest.mark.parametrize("pair", [1, 2])
-def test_matches_oracle_and_the_triton_kernel(case, pair):
+@pytest.mark.parametrize("stages", [2, 3])
+def test_matches_oracle_and_the_triton_kernel(case, stages):
     batch, q_heads, kv_heads, q_len, kv_len, dim, dtype = case
     q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype)
     index = random_index(batch, kv_heads, q_len, kv_len, 64, 64, density=0.6, head_space="kv", device="cuda")
     validate(index, q_len, kv_len)
     assert ws.ws_eligible(q, k, v, index)
-    out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5, stages=2, pair=pair)
+    out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5, stages=stages)
     assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, q_heads // kv_heads))
     triton_cfg = {key: val for key, val in _launch_config(64, 64, dim, q.device).items() if key != "ws"}
     ref_o, ref_l = block_sparse_attention(q, k, v, index, config=triton_cfg)
@@ -140,3 +157,38 @@ def test_default_launch_takes_it_and_fills_given_buffers():
     assert got_o.data_ptr() == out.data_ptr() and got_l.data_ptr() == lse.data_ptr()
     assert_close(out, lse, q, k, v, index_mask_fn(index, 256, 256, 2))
     assert bool((out[0, :2, 64:128] == 0).all()) and bool((lse[0, :2, 64:128] == float("-inf")).all())
+
+
+VS_CASES = [
+    # batch, q_heads, kv_heads, q_len, kv_len, dim, dtype, verticals, slashes, slash reach, index batch
+    (2, 4, 2, 300, 333, 64, torch.float16, 120, 3, 40, 2),  # near-diagonal slashes: long clean runs, unmasked tiles
+    (1, 8, 2, 450, 450, 128, torch.bfloat16, 200, 7, None, 1),  # far slashes break the runs: masked slot tiles
+    (2, 2, 1, 100, 260, 128, torch.bfloat16, 90, 2, 40, 1),  # bottom-right; one index expanded to the batch
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", VS_CASES, ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
+def test_column_table_matches_oracle_and_the_column_lists(case):
+    """Vertical-slash indexes: the table's slot tiles (clean runs unmasked, the rest masked by bits and causality)
+    after the slash blocks equal the oracle and the Triton kernel reading the column lists, through the default
+    route; zeroing the table's bits moves the output, so the launch reads the table."""
+    batch, q_heads, kv_heads, q_len, kv_len, dim, dtype, n_vert, n_slash, reach, index_batch = case
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype)
+    lines = vs_lines(index_batch, kv_heads, q_len, kv_len, n_vert, n_slash, "kv", reach=reach)
+    index = vertical_slash.index_from_lines(lines, block_m=64, block_n=64).expand_batch(batch)
+    validate(index, q_len, kv_len)
+    table = index.col_table
+    assert ws.ws_eligible(q, k, v, index) and bool((table.span > table.clean).any())
+    out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5)
+    mask_fn = index_mask_fn(index, q_len, kv_len, q_heads // kv_heads)
+    assert_close(out, lse, q, k, v, mask_fn)
+    routed = block_sparse_attention(q, k, v, index)
+    assert torch.equal(routed[0], out) and torch.equal(routed[1], lse)
+    listed_o, listed_l = block_sparse_attention(q, k, v, index, config={"col_table": False, "TILE_N": 64, "num_warps": 4, "num_stages": 2})
+    torch.testing.assert_close(out.float(), listed_o.float(), atol=2e-2, rtol=0)
+    finite = torch.isfinite(listed_l)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], listed_l[finite], atol=1e-3, rtol=0)
+    blank = dataclasses.replace(index, col_table=table.map(lambda name, t: torch.zeros_like(t) if name == "bits" else t))
+    assert not torch.allclose(ws.block_sparse_ws_attention(q, k, v, blank, scale=dim ** -0.5)[0], out)

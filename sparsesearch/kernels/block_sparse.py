@@ -18,8 +18,8 @@ lines are index arithmetic (index.GridLines). An index whose columns come with a
 (index.ColumnTable, vertical-slash) has them read from contiguous per-head slabs of the table's K/V rows
 (column_slabs.py) as plain (TMA) tiles, unmasked over each block's clean run, instead of gathered token by
 token. Without any of these the flags are constexpr off and the kernel is the plain one. On a Hopper GPU the plain
-kv-space launch (dense, 64-blocks, full + partial lists only) goes to the persistent warp-specialized Gluon kernel
-of block_sparse_ws.py instead (launch config key ``ws``). Outputs: out like q; lse fp32
+kv-space launch (dense, 64-blocks, full + partial lists and a column table, no window or sink) goes to the
+persistent warp-specialized Gluon kernel of block_sparse_ws.py instead (launch config key ``ws``). Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -502,13 +502,15 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     dummy = index.full_idx
     heads_per_batch = q_heads if served is None else served * (q_heads // kv_heads if index.head_space == "kv" else 1)
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
+    # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
+    use_table = launch.pop("col_table", True)
     # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
     # the per-program fixed cost hidden under the next item's loads.
     if launch.pop("ws", False) and served is None and maps is None and row_pos is None and lines is None and not varlen \
-            and out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.is_contiguous() and ws_eligible(q, k, v, index):
+            and out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.is_contiguous() \
+            and ws_eligible(q, k, v, index, table=use_table):
         return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse)
-    # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
-    table = index.col_table if launch.pop("col_table", True) else None
+    table = index.col_table if use_table else None
     if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):
         table = None  # the table is in the plain bottom-right frame; these launches read the column lists
     has_cols = index.col_count is not None and table is None

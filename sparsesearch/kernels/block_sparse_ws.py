@@ -1,21 +1,26 @@
 """Persistent, warp-specialized block-sparse attention forward for Hopper (Gluon).
 
-Same contract as block_sparse.py's plain path (full + partial key-block lists of a kv-space BlockIndex, GQA,
-dense [B, H, N, D] layouts, bottom-right causal alignment), built the way FlashAttention-3 is built, because
-the Triton kernel's loss at low density is per program, not per tile (benchmarks/program_cost.py, Run 12):
-each of its programs loads Q, walks ~14 key tiles and stores O with nothing else in flight, about 4.5 SDPA
-tiles of fixed cost at 32K.
+Same contract as block_sparse.py's plain path (full + partial key-block lists of a kv-space BlockIndex and its
+column table, GQA, dense [B, H, N, D] layouts, bottom-right causal alignment), built the way FlashAttention-3 is
+built, because the Triton kernel's loss at low density is per program, not per tile (benchmarks/program_cost.py,
+Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing else in flight, about 4.5
+SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64 query rows):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
 - PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma, the online
-  softmax in registers (P never leaves them) and the causal mask only on partial tiles; O leaves through an
+  softmax in registers (P never leaves them) and a mask only on tiles that need one; O leaves through an
   asynchronous TMA store that overlaps the next item.
+A row's key tiles are its full blocks, its partial blocks, then (vertical-slash) 64-slot tiles of its column
+table's span (index.ColumnTable): the table's K/V rows copied once per launch into contiguous per-head slabs
+(column_slabs.py), so a tile of slots is one TMA box like a key block; tiles inside the clean run need no mask,
+the rest are masked by the slots' bits and causality.
 Q and O go through 3D descriptors ([B*H, N, D], [1, 64, D] boxes): rows past N read as zeros and stores past N
-are dropped by the TMA unit, so they need no row masks. K/V go through 2D ones ([B*H*N, D], [64, D] boxes); a
-box past the last key reads the next head's rows or zeros, which only a partial block's masked columns hold.
+are dropped by the TMA unit, so they need no row masks. K/V (and the slabs) go through 2D ones ([B*H*N, D],
+[64, D] boxes); a box past the last key (slot) reads the next head's rows or zeros, which only masked columns
+hold.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..index import BlockIndex
 from ._common import LOG2E, index_strides
+from .column_slabs import column_slabs
 
 # Gluon renamed its TMA copies (triton 3.6 on the GPU hosts: async_copy_*; 3.9 here: async_load/async_store, the
 # old names raise): take whichever this triton has.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
-TILE = 64  # query rows per head and keys per tile: the index's block size
+TILE = 64  # query rows per head, keys per tile, table slots per tile: the index's block size
 BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 
 
@@ -53,46 +59,58 @@ def _item(w, n_qb, packs_per_batch, PACK: gl.constexpr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _stream_block(f_base, p_base, n_full, e):
-    """Key block of entry e of a row's stream: its full blocks, then its partial ones."""
-    if e < n_full:
-        entry = gl.load(f_base + e)
+def _table_span(TAB_SPAN, t_off, n_slots, TABLE: gl.constexpr):
+    """Slots of the row's column table to walk (0 without a table); bounds-safe on a malformed span."""
+    if TABLE:
+        n_span = gl.minimum(gl.load(TAB_SPAN + t_off), n_slots)
     else:
-        entry = gl.load(p_base + (e - n_full))
-    return entry
+        n_span = 0
+    return n_span
 
 
 @gluon.jit
-def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, qk_scale, PAIR: gl.constexpr):
-    """Scaled scores of tile t [64, PAIR * 64]; a tile holding a partial block or running past the row's last
-    block gets its mask (causal in bottom-right positions, kv bound), the others none."""
-    qk = qk * qk_scale
-    if (t + 1) * PAIR > n_full:
-        e = t * PAIR + offs_c // BLOCK  # each column's entry in the row's stream
-        is_part = (e >= n_full) & (e < total)
-        blk = gl.load(p_base + (e - n_full), mask=is_part, other=0)
-        cols = blk * BLOCK + offs_c % BLOCK
-        part_ok = is_part[None, :] & (cols[None, :] <= pos[:, None]) & (cols[None, :] < kv_len)
-        qk = gl.where((e < n_full)[None, :] | part_ok, qk, float("-inf"))
+def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base,
+            TABLE: gl.constexpr):
+    """Raw scores of tile t [64, 64] of a row's stream (unscaled: _softmax folds the scale into its exponent),
+    masked where the tile needs it: a partial block by causality (bottom-right positions) and the kv bound; a
+    table tile past the clean run by its slots' bits and causality. Full blocks and clean table tiles: none."""
+    if t >= n_full:
+        if t < total:
+            blk = gl.load(p_base + (t - n_full))
+            cols = blk * BLOCK + offs_c
+            ok = (cols[None, :] <= pos[:, None]) & (cols[None, :] < kv_len)
+            qk = gl.where(ok, qk, float("-inf"))
+        elif TABLE:
+            start = (t - total) * BLOCK
+            if start + BLOCK > n_clean:
+                slots = start + offs_c
+                in_span = slots < n_span
+                words = gl.load(bits_base + slots // 32, mask=in_span, other=0)
+                used = in_span & (((words >> (slots % 32)) & 1) != 0)
+                ids = gl.load(ids_base + slots, mask=used, other=0)
+                qk = gl.where(used[None, :] & (ids[None, :] <= pos[:, None]), qk, float("-inf"))
     return qk
 
 
 @gluon.jit
-def _softmax(qk, m_i, l_i):
-    """Online softmax step in log2 units: (p, m, l, alpha), alpha rescaling what was accumulated before."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
+def _softmax(qk, m_i, l_i, qk_scale):
+    """Online softmax step in log2 units of the scaled scores: (p, m, l, alpha), alpha rescaling what was
+    accumulated before. The scale rides in the exponent's FMA (qk * scale - m), as FlashAttention-3 does, not in
+    a multiply of its own per score (qk_scale > 0, so the max commutes with it): 4-6% faster per launch than
+    scaling first (H200, 8K-128K, block top-k)."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     # A row with nothing admitted yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(qk - m_safe[:, None])
+    p = gl.exp2(qk * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, n_items, n_qb, packs_per_batch, kv_heads, q_heads, kv_len,
-              s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
-              PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, n_slots, n_items, n_qb, packs_per_batch, kv_heads,
+              q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
+              PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr):
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -105,45 +123,51 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             _tma_load(q_desc, [b * q_heads + h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
         c_off = b * s_cb + kv_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
-        n_part = gl.load(PART_CNT + c_off)
+        total = n_full + gl.load(PART_CNT + c_off)
         f_base = FULL_IDX + b * s_fb + kv_h * s_fh + m_block * s_fm
         p_base = PART_IDX + b * s_pb + kv_h * s_ph + m_block * s_pm
         row0 = (b * kv_heads + kv_h) * kv_len  # the KV head's first row in [B * Hkv * N, D]
-        total = n_full + n_part
-        for j in range(gl.cdiv(total, PAIR)):
+        slab0 = (b * kv_heads + kv_h) * n_slots  # its table slab's first row in [B * Hkv * V, D]
+        n_span = _table_span(TAB_SPAN, b * s_tb + kv_h * s_th + m_block * s_tm, n_slots, TABLE)
+        for t in range(total + gl.cdiv(n_span, BLOCK)):
             s = tile % STAGES
             mbarrier.wait(kv_empty.index(s), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
             bar = kv_ready.index(s)
-            mbarrier.expect(bar, 2 * PAIR * k_desc.block_type.nbytes)
-            for i in gl.static_range(PAIR):
-                # A missing last block of the pair re-reads the one before (the consumer masks it): the stage
-                # never holds uninitialised shared memory, whose NaN patterns would survive p = 0.
-                entry = _stream_block(f_base, p_base, n_full, gl.minimum(j * PAIR + i, total - 1))
-                r = row0 + entry * BLOCK
-                _tma_load(k_desc, [r, 0], bar, k_smem.index(s).slice(i * BLOCK, BLOCK))
-                _tma_load(v_desc, [r, 0], bar, v_smem.index(s).slice(i * BLOCK, BLOCK))
+            mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+            if t < total:
+                if t < n_full:
+                    blk = gl.load(f_base + t)
+                else:
+                    blk = gl.load(p_base + (t - n_full))
+                _tma_load(k_desc, [row0 + blk * BLOCK, 0], bar, k_smem.index(s))
+                _tma_load(v_desc, [row0 + blk * BLOCK, 0], bar, v_smem.index(s))
+            else:
+                r = slab0 + (t - total) * BLOCK
+                _tma_load(kc_desc, [r, 0], bar, k_smem.index(s))
+                _tma_load(vc_desc, [r, 0], bar, v_smem.index(s))
             tile += 1
         it += 1
 
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-              PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-              qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm,
+              FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+              n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+              s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
               HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              PAIR: gl.constexpr, HEAD: gl.constexpr):
-    """One warpgroup: head h0 + HEAD of every item, its 64 rows, against key tiles of PAIR blocks. The heads'
-    warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work."""
-    TILE_N: gl.constexpr = PAIR * BLOCK
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_N, 16])
+              TABLE: gl.constexpr, HEAD: gl.constexpr):
+    """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
+    warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
+    explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_r = gl.arange(0, BLOCK, layout=row_s)
-    offs_c = gl.arange(0, TILE_N, layout=col_s)
-    zero_s = gl.zeros([BLOCK, TILE_N], gl.float32, s_layout)
+    offs_c = gl.arange(0, BLOCK, layout=col_s)
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -153,6 +177,11 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
         p_base = PART_IDX + b * s_pb + kv_h * s_ph + m_block * s_pm
+        t_off = b * s_tb + kv_h * s_th + m_block * s_tm
+        n_span = _table_span(TAB_SPAN, t_off, n_slots, TABLE)
+        n_clean = gl.minimum(gl.load(TAB_CLEAN + t_off), n_span) if TABLE else 0
+        ids_base = TAB_IDS + b * s_ib + kv_h * s_ih
+        bits_base = TAB_BITS + b * s_wb + kv_h * s_wh + m_block * s_wm
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
@@ -161,7 +190,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
-        n_tiles = gl.cdiv(total, PAIR)
+        n_tiles = total + gl.cdiv(n_span, BLOCK)
         if n_tiles > 0:
             # Tile 0 alone; then each step issues QK of tile t and PV of tile t - 1 together and runs tile t's
             # softmax while that PV is on the tensor cores (FlashAttention-3's intra-warpgroup overlap).
@@ -169,8 +198,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk,))
-            qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, qk_scale, PAIR)
-            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i)
+            qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base, TABLE)
+            p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
             s_prev = s
             tile += 1
@@ -180,8 +209,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
                 qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
                 qk = warpgroup_mma_wait(1, deps=(qk,))  # groups retire in order: the scores, not yet PV
-                qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, qk_scale, PAIR)
-                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i)
+                qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base, TABLE)
+                p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
                 p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(pv,))
                 mbarrier.arrive(kv_empty.index(s_prev), count=1)
@@ -209,16 +238,17 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
 
 
 @gluon.jit
-def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
+def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
+                         TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
                          n_items, n_qb, packs_per_batch, kv_heads, q_heads, q_len, kv_len, qk_scale,
                          s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+                         s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                          HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                         PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * PACK] + q_desc.block_type.shape, q_desc.layout)  # 2 items x PACK heads
-    # A stage holds PAIR key blocks as one [PAIR * 64, D] tile (same 128-byte swizzle as the 64-row boxes).
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, PAIR * BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, PAIR * BLOCK, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -231,16 +261,22 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, LSE, FULL_CNT, FULL_IDX
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=PACK)
+    # The argument lists are spelled out: a tuple built in the kernel would turn the constexprs into tensors.
     gl.warp_specialize([
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-                     qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR, 0)),
+                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+                     s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
+                     HEAD_DIM, PACK, GROUP, STAGES, TABLE, 0)),
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_CNT, FULL_CNT, PART_IDX, n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len,
-                     qk_scale, s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, HEAD_DIM, PACK, GROUP, STAGES, PAIR, 1)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, n_items, n_qb, packs_per_batch, kv_heads, q_heads, kv_len,
-                     s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, PACK, GROUP, STAGES, PAIR)),
+                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+                     s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
+                     HEAD_DIM, PACK, GROUP, STAGES, TABLE, 1)),
+        (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, n_slots, n_items, n_qb,
+                     packs_per_batch, kv_heads, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+                     s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -269,14 +305,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex) -> bool:
+def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense contiguous
-    bf16/fp16 on CUDA, d 64/128, 64-blocks, a kv-space index with only full and partial lists (no columns,
-    table, window or sink), GQA groups of 2 or more."""
-    return q.is_cuda and ws_shapes_fit(q, k, v, index)
+    bf16/fp16 on CUDA, d 64/128, 64-blocks, a kv-space index of full and partial lists and, when ``table``, a
+    column table (columns without one, windows and sinks stay with the Triton kernel), GQA groups of 2 or more."""
+    return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
-def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex) -> bool:
+def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
     """ws_eligible less the device: layouts, dtypes, head dim, block size and the index's contents."""
     if q.dim() != 4 or q.dtype not in _GL_DTYPES or not all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)):
         return False
@@ -284,7 +320,9 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
         return False
     if q.shape[-1] not in (64, 128) or index.block_m != TILE or index.block_n != TILE or index.head_space != "kv":
         return False
-    if index.col_count is not None or index.col_table is not None or index.window != -1 or index.sink:
+    if index.col_count is not None and (index.col_table is None or not table):
+        return False
+    if index.window != -1 or index.sink:
         return False
     group = q.shape[1] // k.shape[1]
     return group % 2 == 0
@@ -292,12 +330,12 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                              stages: int = 3, pair: int = 1, consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
+                              stages: int = 3, consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given, contiguous): the plain
-    path of block_sparse_attention. ws_eligible says what it takes; the caller has checked the index
-    (block_sparse.check_index).
-    stages: K/V ring depth; pair: key blocks per tile (1 or 2; 2 fits 2 stages of shared memory at d=128).
-    H200, 32K, block top-k: 1 block x 3 stages ran 4-10% faster than 2 x 2 (benchmarks/RESULTS.md, Run 15)."""
+    path of block_sparse_attention, the index's column table included. ws_eligible says what it takes; the
+    caller has checked the index (block_sparse.check_index).
+    stages: K/V ring depth. H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two
+    blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     pack = 2
@@ -307,13 +345,28 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     packs = q_heads // pack
     n_items = batch * packs * n_qb
     grid = (min(n_items, _sm_count(q.device)),)
+    k_desc, v_desc = _row_descriptor(k), _row_descriptor(v)
+    table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
+    if table is not None:
+        # Each KV head's slots as a contiguous slab (column_slabs.py), read through the same [64, D] boxes.
+        kc, vc = column_slabs(k, v, table.ids, None, 1, batch)
+        if table.clean.stride() != table.span.stride():
+            table = table.map(lambda _, t: t.contiguous())
+        table_args = (table.ids, table.bits, table.clean, table.span, table.ids.shape[-1])
+        table_strides = (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
+        kc_desc, vc_desc = _row_descriptor(kc), _row_descriptor(vc)
+    else:
+        table_args = (index.full_count,) * 4 + (0,)
+        table_strides = (0,) * 8
+        kc_desc, vc_desc = k_desc, v_desc
     # Both counts are read with full_count's strides: check_index has made sure the counts share them.
     _block_sparse_ws_fwd[grid](
-        _head_descriptor(q), _row_descriptor(k), _row_descriptor(v), _head_descriptor(out), lse,
-        index.full_count, index.full_idx, index.partial_count, index.partial_idx,
+        _head_descriptor(q), k_desc, v_desc, _head_descriptor(out), kc_desc, vc_desc, lse,
+        index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args,
         n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, scale * LOG2E,
         *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
-        HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, PAIR=pair,
+        *table_strides,
+        HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, TABLE=table is not None,
         CONSUMER_REGS=consumer_regs, num_warps=4,
     )
     return out, lse
