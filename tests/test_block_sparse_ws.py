@@ -43,8 +43,7 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(*_plain(dtype=torch.float32))
     assert not ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # odd GQA group: no head pairs
     assert not ws.ws_shapes_fit(*_plain(columns=3))
-    assert not ws.ws_shapes_fit(*_plain(window=50))
-    assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, sink=1))
+    assert ws.ws_shapes_fit(*_plain(window=50, sink=10))  # A-shape and the triangle's streaming rows
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
     assert not ws.ws_shapes_fit(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, index)
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # contiguous, base 2 bytes off
@@ -61,7 +60,7 @@ def test_shapes_fit_columns_only_through_a_table():
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, col_table=None))
 
 
-def _compile(head_dim: int, stages: int, table: bool):
+def _compile(head_dim: int, stages: int, table: bool, window: bool):
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -69,7 +68,7 @@ def _compile(head_dim: int, stages: int, table: bool):
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._row_descriptor(q[:, :2].contiguous())
-    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, TABLE=table, CONSUMER_REGS=232)
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, WINDOW=window, TABLE=table, CONSUMER_REGS=232)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:
@@ -85,33 +84,46 @@ def _compile(head_dim: int, stages: int, table: bool):
     return triton_compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def _compile_report(head_dim: int, stages: int, table: bool) -> None:
+def _compile_report(head_dim: int, stages: int, table: bool, window: bool) -> None:
     """Print the compiled kernel's shared memory, the Hopper instructions its PTX holds and its register spills
     (local stores/loads in the SASS that Triton's bundled ptxas made; PTX registers are virtual), as JSON."""
     import re
 
     from triton.tools.disasm import get_sass
 
-    kernel = _compile(head_dim, stages, table)
+    kernel = _compile(head_dim, stages, table, window)
     ptx = kernel.asm["ptx"]
     ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
     spills = len(re.findall(r"\b(?:STL|LDL)\b", get_sass(kernel.asm["cubin"])))
     print(json.dumps({"shared": kernel.metadata.shared, "spills": spills, **{op: op in ptx for op in ops}}))
 
 
-@pytest.mark.parametrize("head_dim,stages,table", [(128, 3, False), (128, 3, True), (64, 3, True)])
-def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table):
+@pytest.mark.parametrize("head_dim,stages,table,window", [(128, 3, False, False), (128, 3, True, True), (64, 3, True, False), (128, 4, False, True)])
+def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
-    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {table})"
+    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {table}, {window})"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
     assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
     assert report["spills"] == 0, "a partition spills registers"
+
+
+def _triton_config(dim: int) -> dict:
+    """The device's launch config without ``ws``: the Triton kernel."""
+    return {key: val for key, val in _launch_config(64, 64, dim, torch.device("cuda")).items() if key != "ws"}
+
+
+def _assert_same(out, lse, ref_o, ref_l) -> None:
+    """out/lse equal the Triton kernel's within bf16 rounding; the same rows are empty (lse -inf)."""
+    torch.testing.assert_close(out.float(), ref_o.float(), atol=2e-2, rtol=0)
+    finite = torch.isfinite(ref_l)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], ref_l[finite], atol=1e-3, rtol=0)
 
 
 CASES = [
@@ -134,12 +146,23 @@ def test_matches_oracle_and_the_triton_kernel(case, stages):
     assert ws.ws_eligible(q, k, v, index)
     out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5, stages=stages)
     assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, q_heads // kv_heads))
-    triton_cfg = {key: val for key, val in _launch_config(64, 64, dim, q.device).items() if key != "ws"}
-    ref_o, ref_l = block_sparse_attention(q, k, v, index, config=triton_cfg)
-    torch.testing.assert_close(out.float(), ref_o.float(), atol=2e-2, rtol=0)
-    finite = torch.isfinite(ref_l)
-    assert torch.equal(finite, torch.isfinite(lse))
-    torch.testing.assert_close(lse[finite], ref_l[finite], atol=1e-3, rtol=0)
+    _assert_same(out, lse, *block_sparse_attention(q, k, v, index, config=_triton_config(dim)))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
+@pytest.mark.parametrize("window, sink", [(70, 0), (100, 20)])
+def test_window_and_sink_match_oracle_and_the_triton_kernel(case, window, sink):
+    """A-shape / triangle streaming indexes: every listed block is partial and masked by the window/sink rule in
+    bottom-right positions."""
+    batch, q_heads, kv_heads, q_len, kv_len, dim, dtype = case
+    q, k, v = qkv(batch, q_heads, kv_heads, q_len, kv_len, dim, dtype)
+    index = random_index(batch, kv_heads, q_len, kv_len, 64, 64, density=0.7, window=window, sink=sink, head_space="kv", device="cuda")
+    validate(index, q_len, kv_len)
+    assert ws.ws_eligible(q, k, v, index)
+    out, lse = ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5)
+    assert_close(out, lse, q, k, v, index_mask_fn(index, q_len, kv_len, q_heads // kv_heads))
+    _assert_same(out, lse, *block_sparse_attention(q, k, v, index, config=_triton_config(dim)))
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
@@ -185,10 +208,6 @@ def test_column_table_matches_oracle_and_the_column_lists(case):
     assert_close(out, lse, q, k, v, mask_fn)
     routed = block_sparse_attention(q, k, v, index)
     assert torch.equal(routed[0], out) and torch.equal(routed[1], lse)
-    listed_o, listed_l = block_sparse_attention(q, k, v, index, config={"col_table": False, "TILE_N": 64, "num_warps": 4, "num_stages": 2})
-    torch.testing.assert_close(out.float(), listed_o.float(), atol=2e-2, rtol=0)
-    finite = torch.isfinite(listed_l)
-    assert torch.equal(finite, torch.isfinite(lse))
-    torch.testing.assert_close(lse[finite], listed_l[finite], atol=1e-3, rtol=0)
+    _assert_same(out, lse, *block_sparse_attention(q, k, v, index, config={**_triton_config(dim), "col_table": False}))
     blank = dataclasses.replace(index, col_table=table.map(lambda name, t: torch.zeros_like(t) if name == "bits" else t))
     assert not torch.allclose(ws.block_sparse_ws_attention(q, k, v, blank, scale=dim ** -0.5)[0], out)

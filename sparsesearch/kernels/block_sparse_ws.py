@@ -1,10 +1,10 @@
 """Persistent, warp-specialized block-sparse attention forward for Hopper (Gluon).
 
-Same contract as block_sparse.py's plain path (full + partial key-block lists of a kv-space BlockIndex and its
-column table, GQA, dense [B, H, N, D] layouts, bottom-right causal alignment), built the way FlashAttention-3 is
-built, because the Triton kernel's loss at low density is per program, not per tile (benchmarks/program_cost.py,
-Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing else in flight, about 4.5
-SDPA tiles of fixed cost at 32K.
+Same contract as block_sparse.py's plain path (full + partial key-block lists of a kv-space BlockIndex with its
+window/sink mask and its column table, GQA, dense [B, H, N, D] layouts, bottom-right causal alignment), built the
+way FlashAttention-3 is built, because the Triton kernel's loss at low density is per program, not per tile
+(benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
+else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64 query rows):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
@@ -69,16 +69,19 @@ def _table_span(TAB_SPAN, t_off, n_slots, TABLE: gl.constexpr):
 
 
 @gluon.jit
-def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base,
-            TABLE: gl.constexpr):
+def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base, bits_base,
+            WINDOW: gl.constexpr, TABLE: gl.constexpr):
     """Raw scores of tile t [64, 64] of a row's stream (unscaled: _softmax folds the scale into its exponent),
-    masked where the tile needs it: a partial block by causality (bottom-right positions) and the kv bound; a
-    table tile past the clean run by its slots' bits and causality. Full blocks and clean table tiles: none."""
+    masked where the tile needs it: a partial block by causality (bottom-right positions), the kv bound and, with
+    WINDOW, the window/sink rule (a key within ``window`` of the row, or among the first ``sink``); a table tile
+    past the clean run by its slots' bits and causality. Full blocks and clean table tiles: none."""
     if t >= n_full:
         if t < total:
             blk = gl.load(p_base + (t - n_full))
             cols = blk * BLOCK + offs_c
             ok = (cols[None, :] <= pos[:, None]) & (cols[None, :] < kv_len)
+            if WINDOW:
+                ok = ok & (((pos[:, None] - cols[None, :]) < window) | (cols[None, :] < sink))
             qk = gl.where(ok, qk, float("-inf"))
         elif TABLE:
             start = (t - total) * BLOCK
@@ -152,10 +155,10 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
               FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
-              n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+              n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
               s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
               HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              TABLE: gl.constexpr, HEAD: gl.constexpr):
+              WINDOW: gl.constexpr, TABLE: gl.constexpr, HEAD: gl.constexpr):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
     explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
@@ -198,7 +201,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk,))
-            qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base, TABLE)
+            qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base, bits_base,
+                         WINDOW, TABLE)
             p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
             s_prev = s
@@ -209,7 +213,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
                 qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
                 qk = warpgroup_mma_wait(1, deps=(qk,))  # groups retire in order: the scores, not yet PV
-                qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, n_clean, n_span, ids_base, bits_base, TABLE)
+                qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base,
+                             bits_base, WINDOW, TABLE)
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
                 p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(pv,))
@@ -240,11 +245,11 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
 @gluon.jit
 def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
                          TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
-                         n_items, n_qb, packs_per_batch, kv_heads, q_heads, q_len, kv_len, qk_scale,
+                         n_items, n_qb, packs_per_batch, kv_heads, q_heads, q_len, kv_len, window, sink, qk_scale,
                          s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                          s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                          HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                         TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         WINDOW: gl.constexpr, TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * PACK] + q_desc.block_type.shape, q_desc.layout)  # 2 items x PACK heads
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -265,14 +270,14 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     gl.warp_specialize([
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
                      FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
-                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, TABLE, 0)),
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
                      FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
-                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, qk_scale,
+                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, TABLE, 1)),
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                      kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, n_slots, n_items, n_qb,
                      packs_per_batch, kv_heads, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
@@ -307,8 +312,9 @@ def _sm_count(device: torch.device) -> int:
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense contiguous
-    bf16/fp16 on CUDA, d 64/128, 64-blocks, a kv-space index of full and partial lists and, when ``table``, a
-    column table (columns without one, windows and sinks stay with the Triton kernel), GQA groups of 2 or more."""
+    bf16/fp16 on CUDA, d 64/128, 64-blocks, a kv-space index of full and partial lists (window/sink masks
+    included) and, when ``table``, a column table (columns without one stay with the Triton kernel), GQA groups of
+    2 or more."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -321,8 +327,6 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
     if q.shape[-1] not in (64, 128) or index.block_m != TILE or index.block_n != TILE or index.head_space != "kv":
         return False
     if index.col_count is not None and (index.col_table is None or not table):
-        return False
-    if index.window != -1 or index.sink:
         return False
     group = q.shape[1] // k.shape[1]
     return group % 2 == 0
@@ -363,10 +367,11 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _block_sparse_ws_fwd[grid](
         _head_descriptor(q), k_desc, v_desc, _head_descriptor(out), kc_desc, vc_desc, lse,
         index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args,
-        n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, scale * LOG2E,
+        n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
         *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
         *table_strides,
-        HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, TABLE=table is not None,
+        HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, WINDOW=index.window >= 0,
+        TABLE=table is not None,
         CONSUMER_REGS=consumer_regs, num_warps=4,
     )
     return out, lse
