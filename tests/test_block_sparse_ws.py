@@ -68,7 +68,7 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool):
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._row_descriptor(q[:, :2].contiguous())
-    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, WINDOW=window, TABLE=table, CONSUMER_REGS=232)
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table, CONSUMER_REGS=232)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:
@@ -211,3 +211,33 @@ def test_column_table_matches_oracle_and_the_column_lists(case):
     _assert_same(out, lse, *block_sparse_attention(q, k, v, index, config={**_triton_config(dim), "col_table": False}))
     blank = dataclasses.replace(index, col_table=table.map(lambda name, t: torch.zeros_like(t) if name == "bits" else t))
     assert not torch.allclose(ws.block_sparse_ws_attention(q, k, v, blank, scale=dim ** -0.5)[0], out)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("kind", ["window", "table"])
+def test_head_subset_serves_its_heads_only(kind):
+    """A launch with a head map (the runtime's per-pattern groups): index row i is KV head heads[i]; its query
+    heads equal a whole-index launch of the Triton kernel, the other heads of out/lse are left as they were."""
+    q, k, v = qkv(2, 8, 4, 260, 260, 128, torch.bfloat16)
+    if kind == "table":
+        index = vertical_slash.index_from_lines(vs_lines(2, 4, 260, 260, 70, 3, "kv", reach=40), block_m=64, block_n=64)
+    else:
+        index = random_index(2, 4, 260, 260, 64, 64, density=0.6, window=90, sink=8, head_space="kv", device="cuda")
+    served = torch.tensor([3, 0], dtype=torch.int32, device="cuda")
+    rows = served.long()
+    sub = dataclasses.replace(
+        index, **{n: getattr(index, n)[:, rows] for n in ("full_count", "full_idx", "partial_count", "partial_idx", "col_count", "col_idx")
+                  if getattr(index, n) is not None},
+        col_table=None if index.col_table is None else index.col_table.map(lambda _, t: t[:, rows]))
+    assert ws.ws_eligible(q, k, v, sub)
+    out = torch.full_like(q, 7.0)
+    lse = torch.full(q.shape[:3], 7.0, device="cuda")
+    block_sparse_attention(q, k, v, sub, heads=served, out=out, lse=lse)
+    direct_o, direct_l = ws.block_sparse_ws_attention(q, k, v, sub, scale=128 ** -0.5, heads=served,
+                                                      out=torch.full_like(q, 7.0), lse=torch.full_like(lse, 7.0))
+    assert torch.equal(direct_o, out) and torch.equal(direct_l, lse)  # the default route took this kernel
+    want_o, want_l = block_sparse_attention(q, k, v, index, config=_triton_config(128))
+    q_heads = [h for kv in served.tolist() for h in (2 * kv, 2 * kv + 1)]
+    others = [h for h in range(8) if h not in q_heads]
+    _assert_same(out[:, q_heads], lse[:, q_heads], want_o[:, q_heads], want_l[:, q_heads])
+    assert bool((out[:, others] == 7.0).all()) and bool((lse[:, others] == 7.0).all())

@@ -506,10 +506,10 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     use_table = launch.pop("col_table", True)
     # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
     # the per-program fixed cost hidden under the next item's loads.
-    if launch.pop("ws", False) and served is None and maps is None and row_pos is None and lines is None and not varlen \
+    if launch.pop("ws", False) and maps is None and row_pos is None and lines is None and not varlen \
             and out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.is_contiguous() \
             and ws_eligible(q, k, v, index, table=use_table):
-        return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse)
+        return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse, heads=heads if served is not None else None)
     table = index.col_table if use_table else None
     if table is not None and (varlen or maps is not None or row_pos is not None or lines is not None):
         table = None  # the table is in the plain bottom-right frame; these launches read the column lists

@@ -6,7 +6,8 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 (benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
-Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64 query rows):
+Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64 query rows; with a head map, of
+the KV heads the launch serves, so a layer's pattern groups each take it):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
@@ -50,12 +51,18 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 
 
 @gluon.jit
-def _item(w, n_qb, packs_per_batch, PACK: gl.constexpr, GROUP: gl.constexpr):
-    """Work item w -> (batch, first query head, its KV head, query block): query blocks run fastest, heaviest
-    (last) first. PACK divides GROUP, so the item's heads share the KV head."""
+def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr):
+    """Work item w -> (batch, first query head, its KV head, its index row, query block): query blocks run
+    fastest, heaviest (last) first. PACK divides GROUP, so the item's heads share the KV head. With a head map the
+    launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
     hp = w // n_qb
-    h0 = (hp % packs_per_batch) * PACK
-    return hp // packs_per_batch, h0, h0 // GROUP, n_qb - 1 - w % n_qb
+    r = (hp % packs_per_batch) * PACK  # the item's first query head among the served ones
+    idx_h = r // GROUP
+    if USE_HEAD_MAP:
+        kv_h = gl.load(HEAD_MAP + idx_h)
+    else:
+        kv_h = idx_h
+    return hp // packs_per_batch, kv_h * GROUP + r % GROUP, kv_h, idx_h, n_qb - 1 - w % n_qb
 
 
 @gluon.jit
@@ -111,27 +118,29 @@ def _softmax(qk, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, n_slots, n_items, n_qb, packs_per_batch, kv_heads,
+              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, idx_heads, n_items, n_qb,
+              packs_per_batch, kv_heads,
               q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
-              PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr):
+              PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
+              USE_HEAD_MAP: gl.constexpr):
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h0, kv_h, m_block = _item(w, n_qb, packs_per_batch, PACK, GROUP)
+        b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         qb = it % 2
         # Q buffer qb was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         for p in gl.static_range(PACK):
             _tma_load(q_desc, [b * q_heads + h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
-        c_off = b * s_cb + kv_h * s_ch + m_block * s_cm
+        c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
-        f_base = FULL_IDX + b * s_fb + kv_h * s_fh + m_block * s_fm
-        p_base = PART_IDX + b * s_pb + kv_h * s_ph + m_block * s_pm
+        f_base = FULL_IDX + b * s_fb + idx_h * s_fh + m_block * s_fm
+        p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
         row0 = (b * kv_heads + kv_h) * kv_len  # the KV head's first row in [B * Hkv * N, D]
-        slab0 = (b * kv_heads + kv_h) * n_slots  # its table slab's first row in [B * Hkv * V, D]
-        n_span = _table_span(TAB_SPAN, b * s_tb + kv_h * s_th + m_block * s_tm, n_slots, TABLE)
+        slab0 = (b * idx_heads + idx_h) * n_slots  # the index row's table slab, first row in [B * Hs * V, D]
+        n_span = _table_span(TAB_SPAN, b * s_tb + idx_h * s_th + m_block * s_tm, n_slots, TABLE)
         for t in range(total + gl.cdiv(n_span, BLOCK)):
             s = tile % STAGES
             mbarrier.wait(kv_empty.index(s), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
@@ -154,11 +163,11 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-              FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+              FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
               n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
               s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
               HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              WINDOW: gl.constexpr, TABLE: gl.constexpr, HEAD: gl.constexpr):
+              WINDOW: gl.constexpr, TABLE: gl.constexpr, USE_HEAD_MAP: gl.constexpr, HEAD: gl.constexpr):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
     explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
@@ -174,17 +183,17 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
     tile = 0
     it = 0
     for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h0, kv_h, m_block = _item(w, n_qb, packs_per_batch, PACK, GROUP)
+        b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         h = h0 + HEAD
-        c_off = b * s_cb + kv_h * s_ch + m_block * s_cm
+        c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
-        p_base = PART_IDX + b * s_pb + kv_h * s_ph + m_block * s_pm
-        t_off = b * s_tb + kv_h * s_th + m_block * s_tm
+        p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
+        t_off = b * s_tb + idx_h * s_th + m_block * s_tm
         n_span = _table_span(TAB_SPAN, t_off, n_slots, TABLE)
         n_clean = gl.minimum(gl.load(TAB_CLEAN + t_off), n_span) if TABLE else 0
-        ids_base = TAB_IDS + b * s_ib + kv_h * s_ih
-        bits_base = TAB_BITS + b * s_wb + kv_h * s_wh + m_block * s_wm
+        ids_base = TAB_IDS + b * s_ib + idx_h * s_ih
+        bits_base = TAB_BITS + b * s_wb + idx_h * s_wh + m_block * s_wm
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
@@ -244,12 +253,13 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
 
 @gluon.jit
 def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
-                         TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+                         TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots, idx_heads,
                          n_items, n_qb, packs_per_batch, kv_heads, q_heads, q_len, kv_len, window, sink, qk_scale,
                          s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                          s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                          HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                         WINDOW: gl.constexpr, TABLE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         WINDOW: gl.constexpr, TABLE: gl.constexpr, USE_HEAD_MAP: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * PACK] + q_desc.block_type.shape, q_desc.layout)  # 2 items x PACK heads
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -269,19 +279,19 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     # The argument lists are spelled out: a tuple built in the kernel would turn the constexprs into tensors.
     gl.warp_specialize([
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                      n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 0)),
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, n_slots,
+                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                      n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, n_slots, n_items, n_qb,
+                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, idx_heads, n_items, n_qb,
                      packs_per_batch, kv_heads, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
-                     s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE)),
+                     s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -334,10 +344,13 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                              stages: int = 3, consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
+                              heads: torch.Tensor | None = None, stages: int = 3,
+                              consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given, contiguous): the plain
     path of block_sparse_attention, the index's column table included. ws_eligible says what it takes; the
-    caller has checked the index (block_sparse.check_index).
+    caller has checked the index and the head map (block_sparse.check_index).
+    heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
+    are left untouched), or None for all of them.
     stages: K/V ring depth. H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two
     blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15)."""
     batch, q_heads, q_len, head_dim = q.shape
@@ -346,14 +359,16 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
-    packs = q_heads // pack
+    heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
+    idx_heads = kv_heads if heads is None else heads.shape[0]
+    packs = idx_heads * (q_heads // kv_heads) // pack
     n_items = batch * packs * n_qb
     grid = (min(n_items, _sm_count(q.device)),)
     k_desc, v_desc = _row_descriptor(k), _row_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
         # Each KV head's slots as a contiguous slab (column_slabs.py), read through the same [64, D] boxes.
-        kc, vc = column_slabs(k, v, table.ids, None, 1, batch)
+        kc, vc = column_slabs(k, v, table.ids, heads, 1, batch)
         if table.clean.stride() != table.span.stride():
             table = table.map(lambda _, t: t.contiguous())
         table_args = (table.ids, table.bits, table.clean, table.span, table.ids.shape[-1])
@@ -366,12 +381,13 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Both counts are read with full_count's strides: check_index has made sure the counts share them.
     _block_sparse_ws_fwd[grid](
         _head_descriptor(q), k_desc, v_desc, _head_descriptor(out), kc_desc, vc_desc, lse,
-        index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args,
+        index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args[:4],
+        index.full_count if heads is None else heads, table_args[4], idx_heads,
         n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
         *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
         *table_strides,
         HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, WINDOW=index.window >= 0,
-        TABLE=table is not None,
+        TABLE=table is not None, USE_HEAD_MAP=heads is not None,
         CONSUMER_REGS=consumer_regs, num_warps=4,
     )
     return out, lse
