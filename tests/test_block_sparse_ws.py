@@ -45,9 +45,12 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(*_plain(columns=3))
     assert ws.ws_shapes_fit(*_plain(window=50, sink=10))  # A-shape and the triangle's streaming rows
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
-    assert not ws.ws_shapes_fit(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, index)
+    assert ws.ws_shapes_fit(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, index)  # the runtime's layout
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # contiguous, base 2 bytes off
     assert not ws.ws_shapes_fit(shifted, k, v, index)
+    ragged = torch.empty(*q.shape[:3], 129, dtype=q.dtype)[..., :128]  # a row stride of 258 bytes
+    assert not ws.ws_shapes_fit(ragged, k, v, index)
+    assert not ws.ws_shapes_fit(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, index)  # D not unit-strided
 
 
 def test_shapes_fit_columns_only_through_a_table():
@@ -67,7 +70,7 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool):
     from triton.runtime.jit import mangle_type
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
-    qd, kd = ws._head_descriptor(q), ws._row_descriptor(q[:, :2].contiguous())
+    qd, kd = ws._head_descriptor(q), ws._head_descriptor(q[:, :2].contiguous())
     consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table, CONSUMER_REGS=232)
     fn = ws._block_sparse_ws_fwd
     signature = {}
@@ -241,3 +244,17 @@ def test_head_subset_serves_its_heads_only(kind):
     others = [h for h in range(8) if h not in q_heads]
     _assert_same(out[:, q_heads], lse[:, q_heads], want_o[:, q_heads], want_l[:, q_heads])
     assert bool((out[:, others] == 7.0).all()) and bool((lse[:, others] == 7.0).all())
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+def test_runtime_layout_is_read_and_written_in_place():
+    """transformers' [B, N, H, D] buffers seen as [B, H, N, D] (the runtime's q/k/v and out): the same bits as
+    contiguous tensors, through the default route, with no copy."""
+    q, k, v = qkv(2, 4, 2, 200, 200, 128, torch.bfloat16)
+    index = random_index(2, 2, 200, 200, 64, 64, density=0.6, window=120, sink=16, head_space="kv", device="cuda")
+    want_o, want_l = ws.block_sparse_ws_attention(q, k, v, index, scale=128 ** -0.5)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    out = torch.empty(2, 200, 4, 128, dtype=q.dtype, device="cuda").transpose(1, 2)
+    got_o, got_l = block_sparse_attention(*strided, index, out=out)
+    assert got_o.data_ptr() == out.data_ptr()
+    assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l)

@@ -37,7 +37,7 @@ from ._common import (
     LOG2E, bhn_strides, block_d, check_layout, check_lines, check_region_maps, dot_f32, index_strides, interpreting,
     load_kv_tile, online_update,
 )
-from .block_sparse_ws import block_sparse_ws_attention, ws_eligible
+from .block_sparse_ws import block_sparse_ws_attention, tma_layout_ok, ws_eligible
 from .column_slabs import column_slabs
 from .region_runs import fold_runs
 
@@ -507,7 +507,7 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
     # the per-program fixed cost hidden under the next item's loads.
     if launch.pop("ws", False) and maps is None and row_pos is None and lines is None and not varlen \
-            and out.is_contiguous() and out.data_ptr() % 16 == 0 and lse.is_contiguous() \
+            and tma_layout_ok(out) and lse.is_contiguous() \
             and ws_eligible(q, k, v, index, table=use_table):
         return block_sparse_ws_attention(q, k, v, index, scale=scale, out=out, lse=lse, heads=heads if served is not None else None)
     table = index.col_table if use_table else None

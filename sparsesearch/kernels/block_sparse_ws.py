@@ -18,10 +18,9 @@ A row's key tiles are its full blocks, its partial blocks, then (vertical-slash)
 table's span (index.ColumnTable): the table's K/V rows copied once per launch into contiguous per-head slabs
 (column_slabs.py), so a tile of slots is one TMA box like a key block; tiles inside the clean run need no mask,
 the rest are masked by the slots' bits and causality.
-Q and O go through 3D descriptors ([B*H, N, D], [1, 64, D] boxes): rows past N read as zeros and stores past N
-are dropped by the TMA unit, so they need no row masks. K/V (and the slabs) go through 2D ones ([B*H*N, D],
-[64, D] boxes); a box past the last key (slot) reads the next head's rows or zeros, which only masked columns
-hold.
+Every global tensor (Q, K, V, O, the slabs) goes through a 4D descriptor over its [B, H, N, D] strides with
+[1, 1, 64, D] boxes, so the runtime's transposed [B, N, H, D] buffers are read and written in place; rows past N
+read as zeros and stores past N are dropped by the TMA unit, so no row needs a mask for them.
 """
 
 from __future__ import annotations
@@ -63,6 +62,12 @@ def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.cons
     else:
         kv_h = idx_h
     return hp // packs_per_batch, kv_h * GROUP + r % GROUP, kv_h, idx_h, n_qb - 1 - w % n_qb
+
+
+@gluon.jit
+def _tile(bufs, i, HEAD_DIM: gl.constexpr):
+    """Buffer i of a ring of [1, 1, 64, D] TMA boxes as the [64, D] operand the MMAs read (same bytes)."""
+    return bufs.index(i).reshape([BLOCK, HEAD_DIM])
 
 
 @gluon.jit
@@ -118,8 +123,8 @@ def _softmax(qk, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, idx_heads, n_items, n_qb,
-              packs_per_batch, kv_heads,
+              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items, n_qb,
+              packs_per_batch,
               q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
               PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
               USE_HEAD_MAP: gl.constexpr):
@@ -132,14 +137,12 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         for p in gl.static_range(PACK):
-            _tma_load(q_desc, [b * q_heads + h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
+            _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
         c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
         f_base = FULL_IDX + b * s_fb + idx_h * s_fh + m_block * s_fm
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
-        row0 = (b * kv_heads + kv_h) * kv_len  # the KV head's first row in [B * Hkv * N, D]
-        slab0 = (b * idx_heads + idx_h) * n_slots  # the index row's table slab, first row in [B * Hs * V, D]
         n_span = _table_span(TAB_SPAN, b * s_tb + idx_h * s_th + m_block * s_tm, n_slots, TABLE)
         for t in range(total + gl.cdiv(n_span, BLOCK)):
             s = tile % STAGES
@@ -151,12 +154,12 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
                     blk = gl.load(f_base + t)
                 else:
                     blk = gl.load(p_base + (t - n_full))
-                _tma_load(k_desc, [row0 + blk * BLOCK, 0], bar, k_smem.index(s))
-                _tma_load(v_desc, [row0 + blk * BLOCK, 0], bar, v_smem.index(s))
+                _tma_load(k_desc, [b, kv_h, blk * BLOCK, 0], bar, k_smem.index(s))
+                _tma_load(v_desc, [b, kv_h, blk * BLOCK, 0], bar, v_smem.index(s))
             else:
-                r = slab0 + (t - total) * BLOCK
-                _tma_load(kc_desc, [r, 0], bar, k_smem.index(s))
-                _tma_load(vc_desc, [r, 0], bar, v_smem.index(s))
+                # The index row's slab ([B, Hs, V, D]): slots (t - total) * 64 on.
+                _tma_load(kc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, k_smem.index(s))
+                _tma_load(vc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, v_smem.index(s))
             tile += 1
         it += 1
 
@@ -198,7 +201,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
         mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-        q = q_smem.index(qb * PACK + HEAD).reshape([BLOCK, HEAD_DIM])
+        q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
@@ -208,7 +211,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
             # softmax while that PV is on the tensor cores (FlashAttention-3's intra-warpgroup overlap).
             s = tile % STAGES
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
-            qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma_wait(0, deps=(qk,))
             qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base, bits_base,
                          WINDOW, TABLE)
@@ -219,8 +222,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
             for t in range(1, n_tiles):
                 s = tile % STAGES
                 mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
-                qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                pv = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
+                qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
                 qk = warpgroup_mma_wait(1, deps=(qk,))  # groups retire in order: the scores, not yet PV
                 qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base,
                              bits_base, WINDOW, TABLE)
@@ -231,7 +234,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 s_prev = s
                 tile += 1
-            pv = warpgroup_mma(p_op, v_smem.index(s_prev), acc, is_async=True)
+            pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(pv,))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
         mbarrier.arrive(q_empty.index(qb), count=1)
@@ -243,7 +246,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         tma.store_wait(0)
         o_buf.reshape([BLOCK, HEAD_DIM]).store(out.to(o_smem.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [b * q_heads + h, m_block * BLOCK, 0], o_buf)
+        _tma_store(o_desc, [b, h, m_block * BLOCK, 0], o_buf)
         # lse in natural log; rows past q_len are not stored.
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         gl.store(LSE + (b * q_heads + h).to(gl.int64) * q_len + rows, lse, mask=rows < q_len)
@@ -253,8 +256,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
 
 @gluon.jit
 def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
-                         TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots, idx_heads,
-                         n_items, n_qb, packs_per_batch, kv_heads, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
+                         n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                          s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                          s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                          HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
@@ -289,8 +292,8 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                      HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, idx_heads, n_items, n_qb,
-                     packs_per_batch, kv_heads, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items, n_qb,
+                     packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                      s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -305,14 +308,16 @@ def _descriptor(flat: torch.Tensor, box: list[int]) -> TensorDescriptor:
 
 
 def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """[B, H, N, D] contiguous as [B*H, N, D] with [1, 64, D] boxes (Q and O; module docstring)."""
-    b, h, n, d = t.shape
-    return _descriptor(t.view(b * h, n, d), [1, TILE, d])
+    """[B, H, N, D] with any 16-byte strides (tma_layout_ok) as a 4D descriptor of [1, 1, 64, D] boxes: Q, K, V,
+    O and the table slabs (module docstring)."""
+    return _descriptor(t, [1, 1, TILE, t.shape[-1]])
 
 
-def _row_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """[B, H, N, D] contiguous as [B*H*N, D] with [64, D] boxes (K and V; module docstring)."""
-    return _descriptor(t.view(-1, t.shape[-1]), [TILE, t.shape[-1]])
+def tma_layout_ok(t: torch.Tensor) -> bool:
+    """Whether a [B, H, N, D] tensor can be a TMA descriptor's global memory: unit last stride, the other strides
+    and the base 16-byte aligned (the runtime's transposed [B, N, H, D] buffers qualify)."""
+    size = t.element_size()
+    return t.dim() == 4 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:3])
 
 
 @functools.cache
@@ -321,8 +326,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
-    """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense contiguous
-    bf16/fp16 on CUDA, d 64/128, 64-blocks, a kv-space index of full and partial lists (window/sink masks
+    """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense [B, H, N, D]
+    bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and partial lists (window/sink masks
     included) and, when ``table``, a column table (columns without one stay with the Triton kernel), GQA groups of
     2 or more."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
@@ -330,9 +335,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
 
 def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
     """ws_eligible less the device: layouts, dtypes, head dim, block size and the index's contents."""
-    if q.dim() != 4 or q.dtype not in _GL_DTYPES or not all(t.is_contiguous() and t.dtype == q.dtype for t in (q, k, v)):
-        return False
-    if any(t.data_ptr() % 16 for t in (q, k, v)):  # TMA descriptors need 16-byte aligned bases
+    if q.dim() != 4 or q.dtype not in _GL_DTYPES or not all(t.dtype == q.dtype and tma_layout_ok(t) for t in (q, k, v)):
         return False
     if q.shape[-1] not in (64, 128) or index.block_m != TILE or index.block_n != TILE or index.head_space != "kv":
         return False
@@ -346,7 +349,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                               heads: torch.Tensor | None = None, stages: int = 3,
                               consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given, contiguous): the plain
+    """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given: out tma_layout_ok, lse
+    contiguous): the plain
     path of block_sparse_attention, the index's column table included. ws_eligible says what it takes; the
     caller has checked the index and the head map (block_sparse.check_index).
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
@@ -364,7 +368,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     packs = idx_heads * (q_heads // kv_heads) // pack
     n_items = batch * packs * n_qb
     grid = (min(n_items, _sm_count(q.device)),)
-    k_desc, v_desc = _row_descriptor(k), _row_descriptor(v)
+    k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
         # Each KV head's slots as a contiguous slab (column_slabs.py), read through the same [64, D] boxes.
@@ -373,7 +377,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             table = table.map(lambda _, t: t.contiguous())
         table_args = (table.ids, table.bits, table.clean, table.span, table.ids.shape[-1])
         table_strides = (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
-        kc_desc, vc_desc = _row_descriptor(kc), _row_descriptor(vc)
+        kc_desc, vc_desc = _head_descriptor(kc), _head_descriptor(vc)
     else:
         table_args = (index.full_count,) * 4 + (0,)
         table_strides = (0,) * 8
@@ -382,8 +386,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _block_sparse_ws_fwd[grid](
         _head_descriptor(q), k_desc, v_desc, _head_descriptor(out), kc_desc, vc_desc, lse,
         index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args[:4],
-        index.full_count if heads is None else heads, table_args[4], idx_heads,
-        n_items, n_qb, packs, kv_heads, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
+        index.full_count if heads is None else heads, table_args[4],
+        n_items, n_qb, packs, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
         *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
         *table_strides,
         HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, WINDOW=index.window >= 0,
