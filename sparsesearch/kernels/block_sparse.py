@@ -17,9 +17,10 @@ of the original K/V before the launch (region_runs.py; the rest become partial b
 lines are index arithmetic (index.GridLines). An index whose columns come with a column table
 (index.ColumnTable, vertical-slash) has them read from contiguous per-head slabs of the table's K/V rows
 (column_slabs.py) as plain (TMA) tiles, unmasked over each block's clean run, instead of gathered token by
-token. Without any of these the flags are constexpr off and the kernel is the plain one. On a Hopper GPU the plain
-kv-space launch (dense, 64-blocks, full + partial lists and a column table, no window or sink) goes to the
-persistent warp-specialized Gluon kernel of block_sparse_ws.py instead (launch config key ``ws``). Outputs: out like q; lse fp32
+token. Without any of these the flags are constexpr off and the kernel is the plain one. On a Hopper GPU a dense
+kv-space launch with 64-blocks (full + partial lists, window/sink, a column table, a head map; q/k/v/out with
+16-byte strides) goes to the persistent warp-specialized Gluon kernel of block_sparse_ws.py instead (launch config
+key ``ws``); regions, grid lines and varlen stay here. Outputs: out like q; lse fp32
 (natural log) [B, Hq, Nq] dense or [Hq, Tq] varlen; a row with no admitted key gives out 0, lse -inf.
 """
 
@@ -38,7 +39,7 @@ from ._common import (
     load_kv_tile, online_update,
 )
 from .block_sparse_ws import block_sparse_ws_attention, tma_layout_ok, ws_eligible
-from .column_slabs import column_slabs
+from .column_slabs import column_slabs, table_operands
 from .region_runs import fold_runs
 
 
@@ -449,7 +450,7 @@ def block_sparse_attention(
     shared output (pass out and lse, shaped as returned). None: every head, index rows in head order.
     config: launch overrides (TILE_N, num_warps, num_stages, tma, pack: query heads stacked per program, kv
     head space only; col_table: False reads the column lists even when the index has a table; ws: True sends a
-    plain launch to block_sparse_ws.py, the device default on Hopper, absent = the Triton kernel) for tuning;
+    launch it takes to block_sparse_ws.py, the device default on Hopper, absent = the Triton kernel) for tuning;
     None picks per device and index. The column table serves dense launches in the plain frame only: with
     cu_seqlens, row_pos, maps or lines the column lists are read.
     row_pos: int64 [Nq_r], a permuted modality region's frame (dense layout; patterns/boundary.py): row i
@@ -504,8 +505,8 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
     launch = dict(config or _launch_config(index.block_m, index.block_n, head_dim, q.device))
     # config["col_table"] False: the column lists even when the index has a table (A/B timing of the two paths).
     use_table = launch.pop("col_table", True)
-    # Hopper, plain launches: the persistent warp-specialized kernel (block_sparse_ws.py) does the same work with
-    # the per-program fixed cost hidden under the next item's loads.
+    # Hopper, dense kv-space launches (ws_eligible): the persistent warp-specialized kernel (block_sparse_ws.py) does
+    # the same work with the per-program fixed cost hidden under the next item's loads.
     if launch.pop("ws", False) and maps is None and row_pos is None and lines is None and not varlen \
             and tma_layout_ok(out) and lse.is_contiguous() \
             and ws_eligible(q, k, v, index, table=use_table):
@@ -547,10 +548,8 @@ def attend_in_layout(q, k, v, index: BlockIndex, layout, *, scale: float | None 
         kc, vc = column_slabs(k, v, table.ids, heads, 1 if index.head_space == "kv" else group, batch)
         table_tma = tma and _tma_eligible(kc, vc, False, False)
         kc_desc, vc_desc = (_row_descriptor(t, launch["TILE_N"]) for t in (kc, vc)) if table_tma else (kc, vc)
-        if table.clean.stride() != table.span.stride():
-            table = table.map(lambda _, t: t.contiguous())
+        table, table_strides = table_operands(table)
         table_args = (table.ids, table.bits, table.clean, table.span, kc, vc, kc_desc, vc_desc, table.ids.shape[-1], index.heads)
-        table_strides = (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
     else:
         table_tma = False
         table_args = (full_count,) * 4 + (k, v, k, v, 0, 0)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..index import BlockIndex
 from ._common import LOG2E, index_strides
-from .column_slabs import column_slabs
+from .column_slabs import column_slabs, table_operands
 
 # Gluon renamed its TMA copies (triton 3.6 on the GPU hosts: async_copy_*; 3.9 here: async_load/async_store, the
 # old names raise): take whichever this triton has.
@@ -301,16 +301,12 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _descriptor(flat: torch.Tensor, box: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over all of ``flat`` with ``box``-shaped tiles in the default swizzled layout."""
-    layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[flat.dtype])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box, layout)
-
-
 def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
-    """[B, H, N, D] with any 16-byte strides (tma_layout_ok) as a 4D descriptor of [1, 1, 64, D] boxes: Q, K, V,
-    O and the table slabs (module docstring)."""
-    return _descriptor(t, [1, 1, TILE, t.shape[-1]])
+    """[B, H, N, D] with any 16-byte strides (tma_layout_ok) as a 4D descriptor of [1, 1, 64, D] boxes in the default
+    swizzled layout: Q, K, V, O and the table slabs (module docstring)."""
+    box = [1, 1, TILE, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
@@ -327,9 +323,9 @@ def _sm_count(device: torch.device) -> int:
 
 def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *, table: bool = True) -> bool:
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense [B, H, N, D]
-    bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and partial lists (window/sink masks
-    included) and, when ``table``, a column table (columns without one stay with the Triton kernel), GQA groups of
-    2 or more."""
+    bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
+    partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
+    the Triton kernel), GQA groups of 2 or more."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -350,8 +346,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               heads: torch.Tensor | None = None, stages: int = 3,
                               consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given: out tma_layout_ok, lse
-    contiguous): the plain
-    path of block_sparse_attention, the index's column table included. ws_eligible says what it takes; the
+    contiguous): block_sparse_attention's dense kv-space path, the index's column table included. ws_eligible says what it takes; the
     caller has checked the index and the head map (block_sparse.check_index).
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
     are left untouched), or None for all of them.
@@ -371,12 +366,10 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
-        # Each KV head's slots as a contiguous slab (column_slabs.py), read through the same [64, D] boxes.
+        # Each index row's slots as a contiguous slab (column_slabs.py), read through the same [1, 1, 64, D] boxes.
         kc, vc = column_slabs(k, v, table.ids, heads, 1, batch)
-        if table.clean.stride() != table.span.stride():
-            table = table.map(lambda _, t: t.contiguous())
+        table, table_strides = table_operands(table)
         table_args = (table.ids, table.bits, table.clean, table.span, table.ids.shape[-1])
-        table_strides = (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
         kc_desc, vc_desc = _head_descriptor(kc), _head_descriptor(vc)
     else:
         table_args = (index.full_count,) * 4 + (0,)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..index import ColumnTable
 from ._common import block_d
 
 TILE = 32  # slots per program: 32 rows x d=128 bf16 = 8 KiB of K and of V
@@ -71,3 +72,12 @@ def column_slabs(k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor, heads: tor
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), TILE=TILE, USE_HEAD_MAP=heads is not None, num_warps=4,
     )
     return kc, vc
+
+
+def table_operands(table: ColumnTable) -> tuple[ColumnTable, tuple[int, ...]]:
+    """The table as the block-sparse kernels read it, and its 8 strides in their argument order: ids (batch, head),
+    bits (batch, head, query block), clean and span (batch, head, query block; one stride set for both, so they
+    are made contiguous when they differ)."""
+    if table.clean.stride() != table.span.stride():
+        table = table.map(lambda _, t: t.contiguous())
+    return table, (*table.ids.stride()[:2], *table.bits.stride()[:3], *table.clean.stride())
