@@ -258,3 +258,32 @@ def test_runtime_layout_is_read_and_written_in_place():
     got_o, got_l = block_sparse_attention(*strided, index, out=out)
     assert got_o.data_ptr() == out.data_ptr()
     assert torch.equal(got_o, want_o) and torch.equal(got_l, want_l)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads"])
+def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
+    """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
+    racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it."""
+    q, k, v = qkv(2, 8, 4, 333, 333, 128, torch.bfloat16)
+    heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind == "heads" else None
+    if kind == "table":
+        index = vertical_slash.index_from_lines(vs_lines(2, 4, 333, 333, 70, 3, "kv", reach=40), block_m=64, block_n=64)
+    else:
+        window = dict(window=90, sink=8) if kind == "window" else {}
+        index = random_index(2, 4 if heads is None else 2, 333, 333, 64, 64, density=0.6, head_space="kv",
+                             device="cuda", **window)
+    runs = [ws.block_sparse_ws_attention(q, k, v, index, scale=128 ** -0.5, heads=heads, programs=n,
+                                         out=torch.zeros_like(q), lse=torch.zeros(q.shape[:3], device="cuda"))
+            for n in (None, 1, 3)]
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
+    if heads is None:
+        assert_close(*runs[0], q, k, v, index_mask_fn(index, 333, 333, 2))
+
+
+def test_programs_below_one_are_refused():
+    q = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    index = random_index(1, 1, 64, 64, 64, 64, density=1.0, head_space="kv")
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        ws.block_sparse_ws_attention(q, q[:, :1], q[:, :1], index, scale=1.0, programs=0)

@@ -6,8 +6,9 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 (benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
-Here one CTA per SM walks a list of work items (PACK heads of one GQA group x 64 query rows; with a head map, of
-the KV heads the launch serves, so a layer's pattern groups each take it):
+Here one CTA per SM walks work items (PACK heads of one GQA group x 64 query rows; with a head map, of the KV
+heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item
+from a counter as it frees up (a static round-robin left near-dense 8K launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
@@ -71,6 +72,19 @@ def _tile(bufs, i, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
+def _post_item(item_smem, qb, w, layout: gl.constexpr):
+    """Producer: item w into slot qb of the item ring, for the consumers to read once q_ready[qb] completes (the
+    producer's arrive on it releases this store)."""
+    item_smem.index(qb).store(gl.zeros([1, 1], gl.int32, layout) + w)
+
+
+@gluon.jit
+def _read_item(item_smem, qb, layout: gl.constexpr):
+    """Consumer: the item in slot qb (after waiting on q_ready[qb])."""
+    return gl.max(gl.max(item_smem.index(qb).load(layout), 1), 0)
+
+
+@gluon.jit
 def _table_span(TAB_SPAN, t_off, n_slots, TABLE: gl.constexpr):
     """Slots of the row's column table to walk (0 without a table); bounds-safe on a malformed span."""
     if TABLE:
@@ -123,18 +137,27 @@ def _softmax(qk, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items, n_qb,
-              packs_per_batch,
-              q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
+              item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items,
+              n_qb, packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
               PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
               USE_HEAD_MAP: gl.constexpr):
+    """Hands out the CTA's items and streams their Q and K/V tiles. The first item is the CTA's own index; each
+    next one is a ticket from ITEM_CTR, so CTAs that drew light items take more of them (heaviest first, the tail
+    is the lightest): a static round-robin left the SMs 0.73-0.80 balanced on near-dense 8K launches (16 items
+    each, costs 1-66 tiles)."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
+    step = gl.num_programs(0)
     tile = 0
     it = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    w = gl.program_id(0)
+    while w < n_items:
+        # Taken now, so its round trip hides under this item's loads.
+        nxt = step + gl.atomic_add(ITEM_CTR, 1, sem="relaxed")
         b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         qb = it % 2
-        # Q buffer qb was last read by item it - 2: wait for the consumers to release it.
+        # Q buffer qb (and item slot qb) was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
+        _post_item(item_smem, qb, w, one_warp)
         mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         for p in gl.static_range(PACK):
             _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
@@ -161,11 +184,17 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
                 _tma_load(kc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, k_smem.index(s))
                 _tma_load(vc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, v_smem.index(s))
             tile += 1
+        w = nxt
         it += 1
+    # The end: an item past the last, with no Q behind it.
+    qb = it % 2
+    mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
+    _post_item(item_smem, qb, w, one_warp)
+    mbarrier.arrive(q_ready.index(qb), count=1)
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
               FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
               n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
               s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
@@ -183,9 +212,12 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
     offs_r = gl.arange(0, BLOCK, layout=row_s)
     offs_c = gl.arange(0, BLOCK, layout=col_s)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
+    one_wg: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
     tile = 0
     it = 0
-    for w in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    mbarrier.wait(q_ready.index(0), 0)
+    w = _read_item(item_smem, 0, one_wg)
+    while w < n_items:
         b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         h = h0 + HEAD
         c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
@@ -200,7 +232,6 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
-        mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
         q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
@@ -251,11 +282,14 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
         gl.store(LSE + (b * q_heads + h).to(gl.int64) * q_len + rows, lse, mask=rows < q_len)
         it += 1
+        # The next item (or the end) and its Q.
+        mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
+        w = _read_item(item_smem, it % 2, one_wg)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
+def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
                          TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                          n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                          s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
@@ -268,6 +302,8 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
+    # Each Q buffer's item, written by the producer (a scheduler's ticket) before it arrives on q_ready.
+    item_smem = gl.allocate_shared_memory(gl.int32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -281,19 +317,19 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
         mbarrier.init(kv_empty.index(i), count=PACK)
     # The argument lists are spelled out: a tuple built in the kernel would turn the constexprs into tensors.
     gl.warp_specialize([
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
                      FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                      n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                      HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 0)),
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
                      FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                      n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
                      s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                      HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                     kv_empty, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items, n_qb,
-                     packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+                     kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP,
+                     n_slots, n_items, n_qb, packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                      s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -343,7 +379,7 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                              heads: torch.Tensor | None = None, stages: int = 3,
+                              heads: torch.Tensor | None = None, stages: int = 3, programs: int | None = None,
                               consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given: out tma_layout_ok, lse
     contiguous): block_sparse_attention's dense kv-space path, the index's column table included. ws_eligible says what it takes; the
@@ -351,7 +387,11 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
     are left untouched), or None for all of them.
     stages: K/V ring depth. H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two
-    blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15)."""
+    blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15).
+    programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
+    shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work."""
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     pack = 2
@@ -362,7 +402,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     idx_heads = kv_heads if heads is None else heads.shape[0]
     packs = idx_heads * (q_heads // kv_heads) // pack
     n_items = batch * packs * n_qb
-    grid = (min(n_items, _sm_count(q.device)),)
+    grid = (max(1, min(n_items, programs or _sm_count(q.device))),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
@@ -378,6 +418,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # Both counts are read with full_count's strides: check_index has made sure the counts share them.
     _block_sparse_ws_fwd[grid](
         _head_descriptor(q), k_desc, v_desc, _head_descriptor(out), kc_desc, vc_desc, lse,
+        torch.zeros(1, dtype=torch.int32, device=q.device),  # the item scheduler's tickets
         index.full_count, index.full_idx, index.partial_count, index.partial_idx, *table_args[:4],
         index.full_count if heads is None else heads, table_args[4],
         n_items, n_qb, packs, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
