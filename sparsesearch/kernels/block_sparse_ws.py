@@ -259,14 +259,18 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base,
                              bits_base, WINDOW, TABLE)
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
-                p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-                acc = warpgroup_mma_wait(0, deps=(pv,))
+                p_next = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+                # P is PV's A operand, read from registers while it runs: name it in the wait's deps, or its
+                # registers may be reused for the next P under the running MMA (ptxas 12.8 then serializes
+                # every wgmma of the kernel: C7513).
+                acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
+                p_op = p_next
                 mbarrier.arrive(kv_empty.index(s_prev), count=1)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 s_prev = s
                 tile += 1
             pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(pv,))
+            acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
         mbarrier.arrive(q_empty.index(qb), count=1)
         empty = l_i == 0.0
