@@ -1,10 +1,11 @@
 """The persistent warp-specialized kernel (kernels/block_sparse_ws.py) against the Triton kernel it replaces.
 
-    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3] [--vs]
+    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3] [--vs] [--ashape]
 
 Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads, d=128, bf16) plus the
 "diag_only" and "null" indexes of benchmarks/program_cost.py (--vs: also benchmarks/kernels.py's planted vertical-slash indexes, whose
-columns both kernels read from the column table). Each row checks the new kernel against the Triton one
+columns both kernels read from the column table; --ashape: A-shape with a 128-token sink and a 4096-token window,
+every block partial under the window/sink mask, near-dense at 8K). Each row checks the new kernel against the Triton one
 (max |out| and |lse| difference, -inf lse where Triton has it), then times Triton, new, Triton in one loop from CUDA
 graphs with the L2 flushed (ABA: neither kernel always follows the other), and SDPA in its own loop once per length
 (RESULTS.md, Run 13). Efficiency = density x t_SDPA / t. Needs a Hopper GPU.
@@ -25,8 +26,9 @@ from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
 
 
 def _cases(q, k, args) -> dict:
-    """name -> index: program_cost's top-k/diag_only/null indexes, plus the vertical-slash ones with --vs."""
-    from sparsesearch.patterns import vertical_slash
+    """name -> index: program_cost's top-k/diag_only/null indexes, plus the vertical-slash ones with --vs and
+    A-shape 128/4096 with --ashape."""
+    from sparsesearch.patterns import ashape, vertical_slash
 
     out = cases(q, k, args.k_blocks, 64)
     if args.vs:
@@ -34,6 +36,10 @@ def _cases(q, k, args) -> dict:
         for name, n_vert, n_slash in VS_CASES:
             lines = planted_vs_lines(q.shape[2], k.shape[1], q.device, n_vert, n_slash, gen)
             out[name] = vertical_slash.index_from_lines(lines, block_m=64, block_n=64)
+    if args.ashape:
+        out["ashape_128_4096"] = ashape.build_index(ashape.AShapeParams(sink=128, local=4096), q.shape[2],
+                                                    heads=k.shape[1], block_m=64, block_n=64, head_space="kv",
+                                                    device=q.device)
     return out
 
 
@@ -79,6 +85,7 @@ def main() -> None:
     parser.add_argument("--k-blocks", type=int, nargs="+", default=[12, 24, 48])
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--vs", action="store_true", help="add the planted vertical-slash indexes (column table)")
+    parser.add_argument("--ashape", action="store_true", help="add A-shape 128/4096 (window/sink masks)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
