@@ -138,7 +138,7 @@ def _softmax(qk, m_i, l_i, qk_scale):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
               item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items,
-              n_qb, packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
+              n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
               PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
               USE_HEAD_MAP: gl.constexpr):
     """Hands out the CTA's items and streams their Q and K/V tiles. The first item is the CTA's own index; each
@@ -333,7 +333,7 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
                      HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
                      kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP,
-                     n_slots, n_items, n_qb, packs_per_batch, q_heads, kv_len, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
+                     n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
                      s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
