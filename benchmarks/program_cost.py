@@ -66,11 +66,12 @@ def cases(q, k, k_blocks: list[int], block: int) -> dict:
     return out
 
 
-def gqa_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Seeded random bf16 q [1, 32, n, 128], k/v [1, 8, n, 128] on the GPU: the shapes these benchmarks time."""
+def gqa_inputs(n: int, heads: int = 32, kv_heads: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random bf16 q [1, heads, n, 128], k/v [1, kv_heads, n, 128] on the GPU: the shapes these benchmarks
+    time (32/8 by default, an 8B model's)."""
     torch.manual_seed(n)
-    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, n, 128, device="cuda", dtype=torch.bfloat16)
     return q, k, torch.randn_like(k)
 
 

@@ -41,7 +41,9 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_eligible(q, k, v, index), "CPU tensors never take the GPU kernel"
     assert not ws.ws_shapes_fit(*_plain(dim=96)[:3], _plain(dim=96)[3])
     assert not ws.ws_shapes_fit(*_plain(dtype=torch.float32))
-    assert not ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # odd GQA group: no head pairs
+    assert ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # odd GQA group: its last item has one head
+    assert ws.ws_shapes_fit(*_plain(q_heads=14, kv_heads=2))  # Qwen2-VL-7B's group of 7
+    assert not ws.ws_shapes_fit(*_plain(q_heads=2, kv_heads=2))  # MHA stays with the Triton kernel
     assert not ws.ws_shapes_fit(*_plain(columns=3))
     assert ws.ws_shapes_fit(*_plain(window=50, sink=10))  # A-shape and the triangle's streaming rows
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
@@ -63,7 +65,7 @@ def test_shapes_fit_columns_only_through_a_table():
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, col_table=None))
 
 
-def _compile(head_dim: int, stages: int, table: bool, window: bool):
+def _compile(head_dim: int, stages: int, table: bool, window: bool, group: int = 2):
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -71,7 +73,7 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool):
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._head_descriptor(q[:, :2].contiguous())
-    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=2, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table, CONSUMER_REGS=232)
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=group, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table, CONSUMER_REGS=232)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:
@@ -87,14 +89,14 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool):
     return triton_compile(GluonASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def _compile_report(head_dim: int, stages: int, table: bool, window: bool) -> None:
+def _compile_report(head_dim: int, stages: int, table: bool, window: bool, group: int = 2) -> None:
     """Print the compiled kernel's shared memory, the Hopper instructions its PTX holds and its register spills
     (local stores/loads in the SASS that Triton's bundled ptxas made; PTX registers are virtual), as JSON."""
     import re
 
     from triton.tools.disasm import get_sass
 
-    kernel = _compile(head_dim, stages, table, window)
+    kernel = _compile(head_dim, stages, table, window, group)
     ptx = kernel.asm["ptx"]
     ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
     spills = len(re.findall(r"\b(?:STL|LDL)\b", get_sass(kernel.asm["cubin"])))
@@ -128,13 +130,16 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
     return [line for line in run.stderr.splitlines() if "wgmma" in line or "warpgroup" in line]
 
 
-@pytest.mark.parametrize("head_dim,stages,table,window", [(128, 3, False, False), (128, 3, True, True), (64, 3, True, False), (128, 4, False, True)])
-def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window):
+@pytest.mark.parametrize("head_dim,stages,table,window,group", [
+    (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
+    (128, 3, False, False, 7), (128, 3, True, True, 3),  # odd groups: a warpgroup idles through single-head items
+])
+def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window, group):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
-    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {table}, {window})"
+    code = f"import test_block_sparse_ws as t; t._compile_report({head_dim}, {stages}, {table}, {window}, {group})"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
@@ -163,6 +168,8 @@ CASES = [
     (1, 8, 2, 333, 333, 64, torch.float16),
     (1, 4, 1, 100, 260, 128, torch.bfloat16),  # bottom-right: queries are the last 100 of 260 keys
     (2, 2, 1, 64, 64, 128, torch.bfloat16),
+    (2, 6, 2, 200, 200, 128, torch.bfloat16),  # odd group (3, SmolLM2's): items of 2 heads and of 1
+    (1, 7, 1, 130, 190, 64, torch.float16),  # a group of 7 (Qwen2-VL-7B's), bottom-right
 ]
 
 
@@ -289,12 +296,15 @@ def test_runtime_layout_is_read_and_written_in_place():
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads"])
+@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads"])
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
-    racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it."""
-    q, k, v = qkv(2, 8, 4, 333, 333, 128, torch.bfloat16)
-    heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind == "heads" else None
+    racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
+    odd_heads: groups of 3 under a head map, so single-head items (one warpgroup idling through the ring) sit
+    between paired ones."""
+    group = 3 if kind == "odd_heads" else 2
+    q, k, v = qkv(2, 4 * group, 4, 333, 333, 128, torch.bfloat16)
+    heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind.endswith("heads") else None
     if kind == "table":
         index = vertical_slash.index_from_lines(vs_lines(2, 4, 333, 333, 70, 3, "kv", reach=40), block_m=64, block_n=64)
     else:
@@ -307,7 +317,11 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     for out, lse in runs[1:]:
         assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1])
     if heads is None:
-        assert_close(*runs[0], q, k, v, index_mask_fn(index, 333, 333, 2))
+        assert_close(*runs[0], q, k, v, index_mask_fn(index, 333, 333, group))
+    else:
+        served = [kv * group + j for kv in heads.tolist() for j in range(group)]
+        want_o, want_l = block_sparse_attention(q, k, v, index, heads=heads, config=_triton_config(128))
+        _assert_same(runs[0][0][:, served], runs[0][1][:, served], want_o[:, served], want_l[:, served])
 
 
 def test_programs_below_one_are_refused():

@@ -6,8 +6,8 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 (benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
-Here one CTA per SM walks work items (PACK heads of one GQA group x 64 query rows; with a head map, of the KV
-heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item
+Here one CTA per SM walks work items (PACK heads of one GQA group, one in an odd group's last item, x 64 query
+rows; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item
 from a counter as it frees up (a static round-robin left near-dense 8K launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
@@ -52,17 +52,20 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 
 @gluon.jit
 def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr):
-    """Work item w -> (batch, first query head, its KV head, its index row, query block): query blocks run
-    fastest, heaviest (last) first. PACK divides GROUP, so the item's heads share the KV head. With a head map the
-    launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
+    """Work item w -> (batch, first query head, its KV head, its index row, query block, heads in the item): query
+    blocks run fastest, heaviest (last) first. A GQA group's heads split into ceil(GROUP / PACK) items that share
+    its KV head; with an odd group the last one holds a single head (Qwen2-VL-7B's 7, SmolLM2's 3, MHA's 1). With a
+    head map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
+    PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
     hp = w // n_qb
-    r = (hp % packs_per_batch) * PACK  # the item's first query head among the served ones
-    idx_h = r // GROUP
+    j = hp % packs_per_batch
+    idx_h = j // PER_GROUP
+    r = (j % PER_GROUP) * PACK  # the item's first query head within its group
     if USE_HEAD_MAP:
         kv_h = gl.load(HEAD_MAP + idx_h)
     else:
         kv_h = idx_h
-    return hp // packs_per_batch, kv_h * GROUP + r % GROUP, kv_h, idx_h, n_qb - 1 - w % n_qb
+    return hp // packs_per_batch, kv_h * GROUP + r, kv_h, idx_h, n_qb - 1 - w % n_qb, gl.minimum(GROUP - r, PACK)
 
 
 @gluon.jit
@@ -153,14 +156,20 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     while w < n_items:
         # Taken now, so its round trip hides under this item's loads.
         nxt = step + gl.atomic_add(ITEM_CTR, 1, sem="relaxed")
-        b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
+        b, h0, kv_h, idx_h, m_block, n_heads = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         qb = it % 2
         # Q buffer qb (and item slot qb) was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         _post_item(item_smem, qb, w, one_warp)
-        mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
+        if GROUP % PACK == 0:
+            mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
+        else:
+            # An odd group's last item has one head (PACK is 2): the bytes expected are a constant per expect.
+            mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes, pred=n_heads == PACK)
+            mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes, pred=n_heads != PACK)
         for p in gl.static_range(PACK):
-            _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p))
+            _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p),
+                      pred=p < n_heads)
         c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
@@ -194,6 +203,24 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
+def _epilogue(o_desc, o_buf, LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM: gl.constexpr,
+              row_o: gl.constexpr):
+    """Normalise one head's [64, D] accumulator and send it out through its O buffer by an asynchronous TMA store
+    (rows past N are dropped by the TMA unit); lse [64] in natural log, rows past q_len not stored. Rows with no
+    admitted key give zeros and lse -inf."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    # This warpgroup's previous O store must have left its buffer before it is overwritten.
+    tma.store_wait(0)
+    o_buf.reshape([BLOCK, HEAD_DIM]).store(out.to(o_buf.dtype))
+    fence_async_shared()
+    _tma_store(o_desc, [b, h, m_block * BLOCK, 0], o_buf)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + (b * q_heads + h).to(gl.int64) * q_len + rows, lse, mask=rows < q_len)
+
+
+@gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
               FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
               n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
@@ -218,8 +245,12 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     mbarrier.wait(q_ready.index(0), 0)
     w = _read_item(item_smem, 0, one_wg)
     while w < n_items:
-        b, h0, kv_h, idx_h, m_block = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
+        b, h0, kv_h, idx_h, m_block, n_heads = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         h = h0 + HEAD
+        if GROUP % PACK == 0:
+            active = True
+        else:
+            active = HEAD < n_heads  # an odd group's last item has no head for this warpgroup
         c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
         n_full = gl.load(FULL_CNT + c_off)
         total = n_full + gl.load(PART_CNT + c_off)
@@ -237,7 +268,15 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
         n_tiles = total + gl.cdiv(n_span, BLOCK)
-        if n_tiles > 0:
+        if not active:
+            # Nothing to compute, but the ring's stages are released by every warpgroup (kv_empty counts PACK
+            # arrivals); each is waited for first, so this warpgroup never runs a phase ahead of the loads.
+            for t in range(n_tiles):
+                s = tile % STAGES
+                mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
+                mbarrier.arrive(kv_empty.index(s), count=1)
+                tile += 1
+        elif n_tiles > 0:
             # Tile 0 alone; then each step issues QK of tile t and PV of tile t - 1 together and runs tile t's
             # softmax while that PV is on the tensor cores (FlashAttention-3's intra-warpgroup overlap).
             s = tile % STAGES
@@ -273,18 +312,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
         mbarrier.arrive(q_empty.index(qb), count=1)
-        empty = l_i == 0.0
-        l_safe = gl.where(empty, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        o_buf = o_smem.index(HEAD)
-        # This warpgroup's previous O store must have left its buffer before it is overwritten.
-        tma.store_wait(0)
-        o_buf.reshape([BLOCK, HEAD_DIM]).store(out.to(o_smem.dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [b, h, m_block * BLOCK, 0], o_buf)
-        # lse in natural log; rows past q_len are not stored.
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        gl.store(LSE + (b * q_heads + h).to(gl.int64) * q_len + rows, lse, mask=rows < q_len)
+        if active:
+            _epilogue(o_desc, o_smem.index(HEAD), LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM, row_o)
         it += 1
         # The next item (or the end) and its Q.
         mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
@@ -365,7 +394,8 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense [B, H, N, D]
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
-    the Triton kernel), GQA groups of 2 or more."""
+    the Triton kernel), GQA groups of 2 or more, odd ones included (an odd group's last item runs one head, its second
+    warpgroup idle)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -377,8 +407,9 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
         return False
     if index.col_count is not None and (index.col_table is None or not table):
         return False
-    group = q.shape[1] // k.shape[1]
-    return group % 2 == 0
+    # MHA stays with the Triton kernel: every item would leave one warpgroup idle, and triton 3.6 (the GPU hosts')
+    # fails an assertion compiling the kernel once GROUP 1 folds that warpgroup down to its idle loop.
+    return q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] >= 2
 
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
@@ -404,7 +435,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_qb = triton.cdiv(q_len, TILE)
     heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
     idx_heads = kv_heads if heads is None else heads.shape[0]
-    packs = idx_heads * (q_heads // kv_heads) // pack
+    packs = idx_heads * triton.cdiv(q_heads // kv_heads, pack)  # an odd group's last item has one head
     n_items = batch * packs * n_qb
     grid = (max(1, min(n_items, programs or _sm_count(q.device))),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
