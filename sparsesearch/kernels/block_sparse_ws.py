@@ -321,7 +321,18 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     tma.store_wait(0)
 
 
-@gluon.jit
+# Every integer and index pointer changes with the candidates a search times (lengths, item counts, list widths) and
+# none feeds a vectorised access (the tiles move by TMA descriptors), so none is specialised on ==1 / %16: without
+# this a cold 28/4-head modal search compiled ~19 variants of this kernel (block_sparse.py's _GENERIC_ARGS, same reason).
+_GENERIC_ARGS = (
+    "ITEM_CTR", "FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "TAB_IDS", "TAB_BITS", "TAB_CLEAN", "TAB_SPAN", "HEAD_MAP",
+    "n_slots", "n_items", "n_qb", "packs_per_batch", "q_heads", "q_len", "kv_len", "window", "sink",
+    "s_cb", "s_ch", "s_cm", "s_fb", "s_fh", "s_fm", "s_pb", "s_ph", "s_pm",
+    "s_ib", "s_ih", "s_wb", "s_wh", "s_wm", "s_tb", "s_th", "s_tm",
+)
+
+
+@gluon.jit(do_not_specialize=_GENERIC_ARGS)
 def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX,
                          TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
                          n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
