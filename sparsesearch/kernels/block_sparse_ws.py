@@ -54,7 +54,7 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr):
     """Work item w -> (batch, first query head, its KV head, its index row, query block, heads in the item): query
     blocks run fastest, heaviest (last) first. A GQA group's heads split into ceil(GROUP / PACK) items that share
-    its KV head; with an odd group the last one holds a single head (Qwen2-VL-7B's 7, SmolLM2's 3, MHA's 1). With a
+    its KV head; with an odd group the last one holds a single head (Qwen2-VL-7B's 7, SmolLM2's 3). With a
     head map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
     PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
     hp = w // n_qb
