@@ -4,7 +4,7 @@
     # first on sys.path, where transformers' optional `import kernels` would find benchmarks/kernels.py
 
 The stack is `benchmarks/ttft.py`'s random-weight Llama-3.1-8B shape (32 layers, hidden 4096, GQA 32/8,
-MLP 14336), prefilled as generate's first step does (`logits_to_keep=1`, no KV cache kept), bf16. The
+MLP 14336; `--shape 7b`: Qwen2-7B's, 28 layers, hidden 3584, GQA 28/4, MLP 18944), prefilled as generate's first step does (`logits_to_keep=1`, no KV cache kept), bf16. The
 pattern mix is an artifact's (default: the bundled SmolLM2-135M reference, a real `calibrate` +
 `probe-layers` run at 4K) mapped onto the stack: layer l takes source layer round(l (L_src - 1) / (L - 1)),
 KV head h takes source head h mod H_src, token counts (A-shape sink/local, vertical-slash lines, windows)
@@ -188,6 +188,8 @@ def index_ms(plan, batch: int, n: int, q_heads: int, kv_heads: int, dim: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                        help="the stack (benchmarks/ttft.py's SHAPES; 7b: GQA 28/4, groups of 7)")
     parser.add_argument("--artifact", type=Path, default=Path("artifacts/reference/smollm2-135m-4k"))
     parser.add_argument("--indexes", nargs="+", choices=("estimated", "planted"), default=["estimated", "planted"],
                         help="where the vertical-slash heads' indexes come from (module doc)")
@@ -198,7 +200,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/e2e_prefill.py needs a CUDA GPU")
     torch.manual_seed(0)
-    shape = SHAPES["8b"]
+    shape = SHAPES[args.shape]
     config = LlamaConfig(**shape, max_position_embeddings=max(args.tokens), attn_implementation="sdpa", tie_word_embeddings=False)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
@@ -239,7 +241,7 @@ def main() -> None:
             kinds = pd.Series([layer.kind for layer in plan.layers]).value_counts().to_dict()
             patterns = art.heads["pattern"].value_counts().to_dict()
             row = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                   "shape": "8b", "tokens": n, "artifact": str(args.artifact), "indexes": mode, "layer_kinds": kinds,
+                   "shape": args.shape, "tokens": n, "artifact": str(args.artifact), "indexes": mode, "layer_kinds": kinds,
                    "head_patterns": patterns, "triangle_start_layer": (art.manifest["methods"]["trianglemix"] or {}).get("start_layer"),
                    "prefill_dense_ms": round(t_dense, 1), "prefill_dense_method": "composed" if composed else "run",
                    "prefill_dense_composed_ms": round(t_composed, 1), "sdpa_layer_ms": round(t_layer, 2),

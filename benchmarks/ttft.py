@@ -27,6 +27,8 @@ from sparsesearch.runtime import apply, remove
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    # Qwen2-7B's / Qwen2-VL-7B's language model (GQA 28/4: groups of 7), as a Llama stack (no q/k/v bias; timing only).
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
 }
 
