@@ -7,8 +7,9 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks work items (PACK heads of one GQA group, one in an odd group's last item, x 64 query
-rows; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item
-from a counter as it frees up (a static round-robin left near-dense 8K launches 0.73-0.80 balanced):
+rows; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
+first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
+launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
