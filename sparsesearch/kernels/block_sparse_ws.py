@@ -441,13 +441,13 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    pack = 2
+    group, pack = q_heads // kv_heads, 2
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
     heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
     idx_heads = kv_heads if heads is None else heads.shape[0]
-    packs = idx_heads * triton.cdiv(q_heads // kv_heads, pack)  # an odd group's last item has one head
+    packs = idx_heads * triton.cdiv(group, pack)  # an odd group's last item has one head
     n_items = batch * packs * n_qb
     grid = (max(1, min(n_items, programs or _sm_count(q.device))),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
@@ -471,7 +471,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         n_items, n_qb, packs, q_heads, q_len, kv_len, index.window, index.sink, scale * LOG2E,
         *index_strides(index.full_count), *index_strides(index.full_idx), *index_strides(index.partial_idx),
         *table_strides,
-        HEAD_DIM=head_dim, PACK=pack, GROUP=q_heads // kv_heads, STAGES=stages, WINDOW=index.window >= 0,
+        HEAD_DIM=head_dim, PACK=pack, GROUP=group, STAGES=stages, WINDOW=index.window >= 0,
         TABLE=table is not None, USE_HEAD_MAP=heads is not None,
         CONSUMER_REGS=consumer_regs, num_warps=4,
     )
