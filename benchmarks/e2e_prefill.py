@@ -6,7 +6,8 @@
 The stack is `benchmarks/ttft.py`'s random-weight Llama-3.1-8B shape (32 layers, hidden 4096, GQA 32/8,
 MLP 14336; `--shape 7b`: Qwen2-7B's, 28 layers, hidden 3584, GQA 28/4, MLP 18944), prefilled as generate's
 first step does (`logits_to_keep=1`, no KV cache kept), bf16. The pattern mix is an artifact's (default: the
-bundled SmolLM2-135M reference, a real `calibrate` + `probe-layers` run at 4K) mapped onto the stack: layer l takes source layer round(l (L_src - 1) / (L - 1)),
+bundled SmolLM2-135M reference, a real `calibrate` + `probe-layers` run at 4K) mapped onto the stack: layer l
+takes source layer round(l (L_src - 1) / (L - 1)),
 KV head h takes source head h mod H_src, token counts (A-shape sink/local, vertical-slash lines, windows)
 are scaled from the artifact's calibration length to min(N, 32K) as the search space scales them
 (reference 32K, fixed beyond), and the TriangleMix start layer keeps its fraction of the depth.
