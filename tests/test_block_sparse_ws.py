@@ -73,7 +73,8 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool, group: int =
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._head_descriptor(q[:, :2].contiguous())
-    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=group, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table, CONSUMER_REGS=232)
+    consts = dict(HEAD_DIM=head_dim, PACK=2, GROUP=group, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table,
+                  CONSUMER_REGS=224)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:

@@ -13,8 +13,9 @@ launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue;
-- PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma, the online
-  softmax in registers (P never leaves them) and a mask only on tiles that need one; O leaves through an
+- PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma with both A
+  operands in registers (Q loaded once per item, which frees its buffer for the next item's Q at once; P never
+  leaves them), the online softmax in registers and a mask only on tiles that need one; O leaves through an
   asynchronous TMA store that overlaps the next item.
 A row's key tiles are its full blocks, its partial blocks, then (vertical-slash) 64-slot tiles of its column
 table's span (index.ColumnTable): the table's K/V rows copied once per launch into contiguous per-head slabs
@@ -234,6 +235,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -264,7 +266,14 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
-        q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM)
+        if active:
+            # Q as the QK wgmma's register operand (32 registers): with 64-key tiles, a QK with both operands in
+            # shared memory reads as many bytes per clock as shared memory gives; 3-5% faster per launch on an
+            # H200, 8K-32K, every index kind (benchmarks/RESULTS.md, Run 19).
+            q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM).load(q_layout)
+        else:
+            q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)
+        mbarrier.arrive(q_empty.index(qb), count=1)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
@@ -283,7 +292,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             s = tile % STAGES
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(0, deps=(qk,))
+            qk, q = warpgroup_mma_wait(0, deps=(qk, q))
             qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base, bits_base,
                          WINDOW, TABLE)
             p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
@@ -295,7 +304,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
                 qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
-                qk = warpgroup_mma_wait(1, deps=(qk,))  # groups retire in order: the scores, not yet PV
+                qk, q = warpgroup_mma_wait(1, deps=(qk, q))  # groups retire in order: the scores, not yet PV
                 qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base,
                              bits_base, WINDOW, TABLE)
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
@@ -312,7 +321,6 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
             acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
-        mbarrier.arrive(q_empty.index(qb), count=1)
         if active:
             _epilogue(o_desc, o_smem.index(HEAD), LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM, row_o)
         it += 1
@@ -427,7 +435,7 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                               heads: torch.Tensor | None = None, stages: int = 3, programs: int | None = None,
-                              consumer_regs: int = 232) -> tuple[torch.Tensor, torch.Tensor]:
+                              consumer_regs: int = 224) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given: out tma_layout_ok, lse
     contiguous): block_sparse_attention's dense kv-space path, the index's column table included. ws_eligible says what it takes; the
     caller has checked the index and the head map (block_sparse.check_index).
@@ -436,7 +444,9 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     stages: K/V ring depth. H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two
     blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15).
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
-    shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work."""
+    shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
+    consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
+    ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill."""
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
