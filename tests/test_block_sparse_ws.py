@@ -91,8 +91,10 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool, group: int =
 
 
 def _compile_report(head_dim: int, stages: int, table: bool, window: bool, group: int = 2) -> None:
-    """Print the compiled kernel's shared memory, the Hopper instructions its PTX holds and its register spills
-    (local stores/loads in the SASS that Triton's bundled ptxas made; PTX registers are virtual), as JSON."""
+    """Print the compiled kernel's shared memory, the Hopper instructions its PTX holds, how many of its wgmmas read
+    their A operand from registers and from shared memory (a register list or a descriptor after the accumulators),
+    and its register spills (local stores/loads in the SASS that Triton's bundled ptxas made; PTX registers are
+    virtual), as JSON."""
     import re
 
     from triton.tools.disasm import get_sass
@@ -101,7 +103,9 @@ def _compile_report(head_dim: int, stages: int, table: bool, window: bool, group
     ptx = kernel.asm["ptx"]
     ops = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
     spills = len(re.findall(r"\b(?:STL|LDL)\b", get_sass(kernel.asm["cubin"])))
+    a_operands = re.findall(r"wgmma\.mma_async[^{]*\{[^}]*\},\s*(\{|%rd)", ptx)
     print(json.dumps({"shared": kernel.metadata.shared, "spills": spills, "wgmma_waits": _ptxas_wgmma_notes(ptx),
+                      "a_in_registers": a_operands.count("{"), "a_in_shared": a_operands.count("%rd"),
                       **{op: op in ptx for op in ops}}))
 
 
@@ -147,6 +151,9 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
     assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
     assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
     assert report["spills"] == 0, "a partition spills registers"
+    # Q and P both reach the tensor cores from registers: with 64-key tiles, a QK reading Q from shared memory too
+    # takes shared memory's whole bandwidth (3-5% slower per launch on an H200, RESULTS.md Run 19).
+    assert report["a_in_registers"] > 0 and report["a_in_shared"] == 0, report
     assert not report["wgmma_waits"], report["wgmma_waits"]
 
 
