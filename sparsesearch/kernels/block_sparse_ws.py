@@ -272,7 +272,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             # H200, 8K-32K, every index kind (benchmarks/RESULTS.md, Run 19).
             q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM).load(q_layout)
         else:
-            q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)
+            q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)  # never read: an odd group's empty slot has no Q
+        # Q is in registers (or not needed): the producer may load the item after next into this buffer now.
         mbarrier.arrive(q_empty.index(qb), count=1)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
