@@ -12,7 +12,10 @@ first, each CTA taking its next item from a counter as it frees up (a static rou
 launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
-  first tiles of the next item are in shared memory before the current one's epilogue;
+  first tiles of the next item are in shared memory before the current one's epilogue. It posts each item's
+  coordinates and counts beside its Q, so the consumers cross an item boundary with no division and no global
+  load, and it keeps its own global reads (the next ticket, the next item's counts, the next tile's block id)
+  one step ahead, in flight while it waits for the ring;
 - PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma with both A
   operands in registers (Q loaded once per item, which frees its buffer for the next item's Q at once; P never
   leaves them), the online softmax in registers and a mask only on tiles that need one; O leaves through an
@@ -76,27 +79,79 @@ def _tile(bufs, i, HEAD_DIM: gl.constexpr):
     return bufs.index(i).reshape([BLOCK, HEAD_DIM])
 
 
+NF = gl.constexpr(10)  # fields per item slot: w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean
+# Posting them, rather than each consumer dividing the item number and loading the counts from global memory after
+# its Q lands, took 4.7% off 32K block top-k 12 with the producer's prefetches (H200, benchmarks/RESULTS.md, Run 20).
+
+
 @gluon.jit
-def _post_item(item_smem, qb, w, layout: gl.constexpr):
-    """Producer: item w into slot qb of the item ring, for the consumers to read once q_ready[qb] completes (the
-    producer's arrive on it releases this store)."""
-    item_smem.index(qb).store(gl.zeros([1, 1], gl.int32, layout) + w)
+def _put(item_smem, i, v, layout: gl.constexpr):
+    """Scalar v into word i of the item ring (every lane of the warp writes the same word)."""
+    item_smem.index(i).store(gl.zeros([1, 1], gl.int32, layout) + v)
+
+
+@gluon.jit
+def _get(item_smem, i, layout: gl.constexpr):
+    """Word i of the item ring as a scalar."""
+    return gl.max(gl.max(item_smem.index(i).load(layout), 1), 0)
+
+
+@gluon.jit
+def _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, layout: gl.constexpr):
+    """Producer: item w and what the consumers need of it (its coordinates, counts and table span) into slot qb of
+    the item ring, for them to read once q_ready[qb] completes (the producer's arrive on it releases these stores):
+    no division and no global load on the consumers' side of an item boundary."""
+    base = qb * NF
+    _put(item_smem, base, w, layout)
+    _put(item_smem, base + 1, b, layout)
+    _put(item_smem, base + 2, h0, layout)
+    _put(item_smem, base + 3, idx_h, layout)
+    _put(item_smem, base + 4, m_block, layout)
+    _put(item_smem, base + 5, n_heads, layout)
+    _put(item_smem, base + 6, n_full, layout)
+    _put(item_smem, base + 7, total, layout)
+    _put(item_smem, base + 8, n_span, layout)
+    _put(item_smem, base + 9, n_clean, layout)
 
 
 @gluon.jit
 def _read_item(item_smem, qb, layout: gl.constexpr):
-    """Consumer: the item in slot qb (after waiting on q_ready[qb])."""
-    return gl.max(gl.max(item_smem.index(qb).load(layout), 1), 0)
+    """Consumer: the fields of slot qb (after waiting on q_ready[qb])."""
+    base = qb * NF
+    return (_get(item_smem, base, layout), _get(item_smem, base + 1, layout), _get(item_smem, base + 2, layout),
+            _get(item_smem, base + 3, layout), _get(item_smem, base + 4, layout), _get(item_smem, base + 5, layout),
+            _get(item_smem, base + 6, layout), _get(item_smem, base + 7, layout), _get(item_smem, base + 8, layout),
+            _get(item_smem, base + 9, layout))
 
 
 @gluon.jit
-def _table_span(TAB_SPAN, t_off, n_slots, TABLE: gl.constexpr):
-    """Slots of the row's column table to walk (0 without a table); bounds-safe on a malformed span."""
+def _fetch(w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
+           s_tb, s_th, s_tm, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr,
+           TABLE: gl.constexpr):
+    """Producer: item w's coordinates and its raw counts, loads issued and not waited for (their values are first
+    used an item later). Past the end it reads the last item's (never used)."""
+    b, h0, kv_h, idx_h, m_block, n_heads = _item(gl.minimum(w, n_items - 1), n_qb, packs_per_batch, HEAD_MAP, PACK,
+                                                 GROUP, USE_HEAD_MAP)
+    c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
+    n_full = gl.load(FULL_CNT + c_off)
+    n_part = gl.load(PART_CNT + c_off)
     if TABLE:
-        n_span = gl.minimum(gl.load(TAB_SPAN + t_off), n_slots)
+        t_off = b * s_tb + idx_h * s_th + m_block * s_tm
+        span = gl.load(TAB_SPAN + t_off)
+        clean = gl.load(TAB_CLEAN + t_off)
     else:
-        n_span = 0
-    return n_span
+        span = 0
+        clean = 0
+    return b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean
+
+
+@gluon.jit
+def _block_id(t, n_full, total, f_base, p_base):
+    """Key block of tile t of a row's list stream (0 past it): two masked loads, no branch, so the load is in flight
+    while the producer waits for the ring."""
+    bf = gl.load(f_base + t, mask=t < n_full, other=0)
+    bp = gl.load(p_base + (t - n_full), mask=(t >= n_full) & (t < total), other=0)
+    return bf + bp
 
 
 @gluon.jit
@@ -142,8 +197,8 @@ def _softmax(qk, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-              item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP, n_slots, n_items,
-              n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
+              item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN, HEAD_MAP, n_slots,
+              n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
               PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
               USE_HEAD_MAP: gl.constexpr):
     """Hands out the CTA's items and streams their Q and K/V tiles. The first item is the CTA's own index; each
@@ -155,14 +210,21 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     tile = 0
     it = 0
     w = gl.program_id(0)
+    b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean = _fetch(
+        w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
+        s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
     while w < n_items:
-        # Taken now, so its round trip hides under this item's loads.
-        nxt = step + gl.atomic_add(ITEM_CTR, 1, sem="relaxed")
-        b, h0, kv_h, idx_h, m_block, n_heads = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         qb = it % 2
         # Q buffer qb (and item slot qb) was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
-        _post_item(item_smem, qb, w, one_warp)
+        total = n_full + n_part
+        if TABLE:
+            n_span = gl.minimum(span, n_slots)  # bounds-safe on a malformed span
+            n_clean = gl.minimum(clean, n_span)
+        else:
+            n_span = 0
+            n_clean = 0
+        _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, one_warp)
         if GROUP % PACK == 0:
             mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         else:
@@ -172,35 +234,37 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         for p in gl.static_range(PACK):
             _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p),
                       pred=p < n_heads)
-        c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
-        n_full = gl.load(FULL_CNT + c_off)
-        total = n_full + gl.load(PART_CNT + c_off)
         f_base = FULL_IDX + b * s_fb + idx_h * s_fh + m_block * s_fm
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
-        n_span = _table_span(TAB_SPAN, b * s_tb + idx_h * s_th + m_block * s_tm, n_slots, TABLE)
+        blk = _block_id(0, n_full, total, f_base, p_base)
+        # The next ticket and its counts: the atomic's result is used at once (the warp shares it by a shuffle),
+        # so it is taken here, where its round trip overlaps the first block id's load and the wait for the ring.
+        nxt = step + gl.atomic_add(ITEM_CTR, 1, sem="relaxed")
+        nb, nh0, nkv_h, nidx_h, nm_block, nn_heads, nn_full, nn_part, nspan, nclean = _fetch(
+            nxt, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
+            s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
         for t in range(total + gl.cdiv(n_span, BLOCK)):
             s = tile % STAGES
             mbarrier.wait(kv_empty.index(s), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
             bar = kv_ready.index(s)
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
             if t < total:
-                if t < n_full:
-                    blk = gl.load(f_base + t)
-                else:
-                    blk = gl.load(p_base + (t - n_full))
                 _tma_load(k_desc, [b, kv_h, blk * BLOCK, 0], bar, k_smem.index(s))
                 _tma_load(v_desc, [b, kv_h, blk * BLOCK, 0], bar, v_smem.index(s))
             else:
                 # The index row's slab ([B, Hs, V, D]): slots (t - total) * 64 on.
                 _tma_load(kc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, k_smem.index(s))
                 _tma_load(vc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, v_smem.index(s))
+            blk = _block_id(t + 1, n_full, total, f_base, p_base)  # in flight through the next ring wait
             tile += 1
         w = nxt
+        b, h0, kv_h, idx_h, m_block, n_heads = nb, nh0, nkv_h, nidx_h, nm_block, nn_heads
+        n_full, n_part, span, clean = nn_full, nn_part, nspan, nclean
         it += 1
     # The end: an item past the last, with no Q behind it.
     qb = it % 2
     mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
-    _post_item(item_smem, qb, w, one_warp)
+    _post_item(item_smem, qb, w, 0, 0, 0, 0, 0, 0, 0, 0, 0, one_warp)
     mbarrier.arrive(q_ready.index(qb), count=1)
 
 
@@ -212,7 +276,9 @@ def _epilogue(o_desc, o_buf, LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q
     admitted key give zeros and lse -inf."""
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    # One reciprocal per row, then a multiply: acc / l is a full-precision division per element (a reciprocal, three
+    # multiplies and a select each), 184 instructions per thread per item more.
+    out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
     # This warpgroup's previous O store must have left its buffer before it is overwritten.
     tma.store_wait(0)
     o_buf.reshape([BLOCK, HEAD_DIM]).store(out.to(o_buf.dtype))
@@ -224,11 +290,10 @@ def _epilogue(o_desc, o_buf, LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q
 
 @gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-              FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
-              n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
-              s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
+              PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+              s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
               HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              WINDOW: gl.constexpr, TABLE: gl.constexpr, USE_HEAD_MAP: gl.constexpr, HEAD: gl.constexpr):
+              WINDOW: gl.constexpr, TABLE: gl.constexpr, HEAD: gl.constexpr):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
     explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
@@ -246,21 +311,14 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     tile = 0
     it = 0
     mbarrier.wait(q_ready.index(0), 0)
-    w = _read_item(item_smem, 0, one_wg)
+    w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, 0, one_wg)
     while w < n_items:
-        b, h0, kv_h, idx_h, m_block, n_heads = _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK, GROUP, USE_HEAD_MAP)
         h = h0 + HEAD
         if GROUP % PACK == 0:
             active = True
         else:
             active = HEAD < n_heads  # an odd group's last item has no head for this warpgroup
-        c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
-        n_full = gl.load(FULL_CNT + c_off)
-        total = n_full + gl.load(PART_CNT + c_off)
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
-        t_off = b * s_tb + idx_h * s_th + m_block * s_tm
-        n_span = _table_span(TAB_SPAN, t_off, n_slots, TABLE)
-        n_clean = gl.minimum(gl.load(TAB_CLEAN + t_off), n_span) if TABLE else 0
         ids_base = TAB_IDS + b * s_ib + idx_h * s_ih
         bits_base = TAB_BITS + b * s_wb + idx_h * s_wh + m_block * s_wm
         rows = m_block * BLOCK + offs_r
@@ -327,7 +385,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         it += 1
         # The next item (or the end) and its Q.
         mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
-        w = _read_item(item_smem, it % 2, one_wg)
+        w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, it % 2, one_wg)
     tma.store_wait(0)
 
 
@@ -356,8 +414,8 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
-    # Each Q buffer's item, written by the producer (a scheduler's ticket) before it arrives on q_ready.
-    item_smem = gl.allocate_shared_memory(gl.int32, [2, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # Each Q buffer's item (a scheduler's ticket) and its fields, written by the producer before it arrives on q_ready.
+    item_smem = gl.allocate_shared_memory(gl.int32, [2 * NF, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -372,19 +430,17 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     # The argument lists are spelled out: a tuple built in the kernel would turn the constexprs into tensors.
     gl.warp_specialize([
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
-                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
-                     s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 0)),
+                     PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                     s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
         (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     FULL_CNT, PART_CNT, PART_IDX, TAB_IDS, TAB_BITS, TAB_CLEAN, TAB_SPAN, HEAD_MAP, n_slots,
-                     n_items, n_qb, packs_per_batch, q_heads, q_len, kv_len, window, sink, qk_scale,
-                     s_cb, s_ch, s_cm, s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, USE_HEAD_MAP, 1)),
+                     PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                     s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
         (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                     kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, HEAD_MAP,
-                     n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm,
-                     s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
+                     kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
+                     HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
+                     s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
 
@@ -460,6 +516,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     idx_heads = kv_heads if heads is None else heads.shape[0]
     packs = idx_heads * triton.cdiv(group, pack)  # an odd group's last item has one head
     n_items = batch * packs * n_qb
+    if n_items == 0:  # the producer reads its first item's counts before it checks the item against n_items
+        return out, lse
     grid = (max(1, min(n_items, programs or _sm_count(q.device))),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
