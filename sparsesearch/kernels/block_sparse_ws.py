@@ -182,12 +182,30 @@ def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_c
 
 
 @gluon.jit
+def _halve(x):
+    """[64, 2c] -> [64, c]: the elementwise max of each row's two column halves. The top column bit of the wgmma
+    accumulator layout (and of what is left after each halving, down to 8 columns) is a register bit, so the split
+    moves no data."""
+    n: gl.constexpr = x.shape[1] // 2
+    lo, hi = gl.split(x.reshape(BLOCK, 2, n).permute(0, 2, 1))
+    return gl.maximum(lo, hi)
+
+
+@gluon.jit
+def _row_max(qk):
+    """Row max of [64, 64] scores [64]: three halvings, then gl.max over each thread's last 2 values and the lanes.
+    gl.max alone reduces a thread's 16 values of a row in one chain of 15 dependent FMNMX, which starts the softmax's
+    critical path: the tree took 0.3-1.5% off every launch (H200, benchmarks/RESULTS.md, Run 21)."""
+    return gl.max(_halve(_halve(_halve(qk))), 1)
+
+
+@gluon.jit
 def _softmax(qk, m_i, l_i, qk_scale):
     """Online softmax step in log2 units of the scaled scores: (p, m, l, alpha), alpha rescaling what was
     accumulated before. The scale rides in the exponent's FMA (qk * scale - m), as FlashAttention-3 does, not in
     a multiply of its own per score (qk_scale > 0, so the max commutes with it): 4-6% faster per launch than
     scaling first (H200, 8K-128K, block top-k)."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.convert_layout(_row_max(qk), m_i.type.layout) * qk_scale)
     # A row with nothing admitted yet keeps m = -inf: subtract 0 so exp2 gives 0, not NaN.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(qk * qk_scale - m_safe[:, None])
