@@ -254,14 +254,17 @@ def main() -> None:
                         help="also time each kernel (ours and FlexAttention) as a CUDA-graph replay: GPU time without host launch cost")
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle the GPU this long before every timed call, so each starts from the same power state (RESULTS.md, Run 13)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernels.jsonl"),
+                        help="JSON-lines file for the rows (replaced, unless --append)")
+    parser.add_argument("--append", action="store_true",
+                        help="add the rows to --out instead of replacing it (several --lengths/--cases calls, one file)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks.kernels needs a CUDA GPU")
     started = time.time()
     rows = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as fh:
+    with args.out.open("a" if args.append else "w") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")
     print(f"{len(rows)} rows -> {args.out} in {time.time() - started:.0f} s")
