@@ -364,8 +364,10 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 mbarrier.arrive(kv_empty.index(s), count=1)
                 tile += 1
         elif n_tiles > 0:
-            # Tile 0 alone; then each step issues QK of tile t and PV of tile t - 1 together and runs tile t's
-            # softmax while that PV is on the tensor cores (FlashAttention-3's intra-warpgroup overlap).
+            # Tile 0 alone; then each step issues QK of tile t and PV of tile t - 1 together, then tile t's softmax.
+            # The source waits for PV after the softmax (FlashAttention-3's intra-warpgroup overlap), but ptxas moves
+            # that wait to the top of the softmax, so the two warpgroups take turns on the tensor cores instead; a
+            # block boundary that pins the wait after the softmax ran 0.5-3% slower (benchmarks/RESULTS.md, Run 21).
             s = tile % STAGES
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -536,7 +538,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_items = batch * packs * n_qb
     if n_items == 0:  # the producer reads its first item's counts before it checks the item against n_items
         return out, lse
-    grid = (max(1, min(n_items, programs or _sm_count(q.device))),)
+    grid = (min(n_items, programs or _sm_count(q.device)),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
