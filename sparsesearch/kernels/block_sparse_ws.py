@@ -7,7 +7,7 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks work items (PACK heads of one GQA group, one in an odd group's last item, x 64 query
-rows; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
+rows; PACK is 3 for groups of 3 and 9 at d 64, 2 otherwise; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
 first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
 launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
@@ -342,15 +342,19 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
-        if active:
-            # Q as the QK wgmma's register operand (32 registers): with 64-key tiles, a QK with both operands in
-            # shared memory reads as many bytes per clock as shared memory gives; 3-5% faster per launch on an
-            # H200, 8K-32K, every index kind (benchmarks/RESULTS.md, Run 19).
-            q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM).load(q_layout)
+        if PACK == 3:
+            # Three warpgroups share 64K registers (152 each): Q stays in shared memory until the item's last QK.
+            q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM)
         else:
-            q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)  # never read: an odd group's empty slot has no Q
-        # Q is in registers (or not needed): the producer may load the item after next into this buffer now.
-        mbarrier.arrive(q_empty.index(qb), count=1)
+            if active:
+                # Q as the QK wgmma's register operand (32 registers): with 64-key tiles, a QK with both operands in
+                # shared memory reads as many bytes per clock as shared memory gives; 3-5% faster per launch on an
+                # H200, 8K-32K, every index kind (benchmarks/RESULTS.md, Run 19).
+                q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM).load(q_layout)
+            else:
+                q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)  # never read: an odd group's empty slot has no Q
+            # Q is in registers (or not needed): the producer may load the item after next into this buffer now.
+            mbarrier.arrive(q_empty.index(qb), count=1)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK], gl.float32, row_s)
         acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, o_layout)
@@ -371,7 +375,10 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             s = tile % STAGES
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            qk, q = warpgroup_mma_wait(0, deps=(qk, q))
+            if PACK == 3:
+                qk = warpgroup_mma_wait(0, deps=(qk,))
+            else:
+                qk, q = warpgroup_mma_wait(0, deps=(qk, q))
             qk = _scores(qk, 0, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base, bits_base,
                          WINDOW, TABLE)
             p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
@@ -383,7 +390,11 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
                 qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
-                qk, q = warpgroup_mma_wait(1, deps=(qk, q))  # groups retire in order: the scores, not yet PV
+                # Groups retire in order: the scores, not yet PV. Q in registers is named, so they stay Q's meanwhile.
+                if PACK == 3:
+                    qk = warpgroup_mma_wait(1, deps=(qk,))
+                else:
+                    qk, q = warpgroup_mma_wait(1, deps=(qk, q))
                 qk = _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_clean, n_span, ids_base,
                              bits_base, WINDOW, TABLE)
                 p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, qk_scale)
@@ -400,6 +411,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
             acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
+        if PACK == 3:
+            mbarrier.arrive(q_empty.index(qb), count=1)  # this item's QKs are done with its Q buffer
         if active:
             _epilogue(o_desc, o_smem.index(HEAD), LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM, row_o)
         it += 1
@@ -447,21 +460,42 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=PACK)
-    # The argument lists are spelled out: a tuple built in the kernel would turn the constexprs into tensors.
-    gl.warp_specialize([
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                     s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
-        (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                     PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                     s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                     HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
-        (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                     kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
-                     HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
-                     s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
-    ], [4, 1], [CONSUMER_REGS, 40])
+    # The argument lists are spelled out, once per partition count: a tuple or list built in the kernel would turn
+    # the constexprs into tensors, so the two calls cannot share them.
+    if PACK == 3:
+        gl.warp_specialize([
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 2)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                         kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
+                         HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
+                         s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+    else:
+        gl.warp_specialize([
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
+                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                         kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
+                         HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
+                         s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
+        ], [4, 1], [CONSUMER_REGS, 40])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -473,6 +507,14 @@ def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
     box = [1, 1, TILE, t.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+
+def _pack(group: int, head_dim: int) -> int:
+    """Heads per work item: 3 for groups of 3 and 9 at d 64, else 2. Pairs would leave one warpgroup idle through
+    every third head's item; three warpgroups read each K/V tile once per group and take turns on the tensor cores:
+    1.26-1.37x per launch at 24/8 and 9/3 heads, 8K-32K, every index kind (H200, benchmarks/RESULTS.md, Run 22). At
+    d 128 a third warpgroup does not fit: 13 warps share 64K registers, 152 each, and a d-128 consumer spills there."""
+    return 3 if head_dim == 64 and group % 3 == 0 and group % 2 == 1 else 2
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
@@ -492,7 +534,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
     the Triton kernel), GQA groups of 2 or more, odd ones included (an odd group's last item runs one head, its second
-    warpgroup idle)."""
+    warpgroup idle; groups of 3 and 9 at d 64 run three warpgroups instead, so none idles)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -523,12 +565,16 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
     shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
     consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
-    ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill."""
+    ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill. With three
+    consumer warpgroups (_pack) at most 152: 13 warps share the SM's 64K registers."""
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    group, pack = q_heads // kv_heads, 2
+    group = q_heads // kv_heads
+    pack = _pack(group, head_dim)
+    if pack == 3:
+        consumer_regs = min(consumer_regs, 152)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
