@@ -82,7 +82,7 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool, group: int =
     qd, kd = ws._head_descriptor(q), ws._head_descriptor(q[:, :2].contiguous())
     pack = ws._pack(group, head_dim)
     consts = dict(HEAD_DIM=head_dim, PACK=pack, GROUP=group, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table,
-                  CONSUMER_REGS=224 if pack == 2 else 152)
+                  CONSUMER_REGS=224 if pack == 2 else ws.PACK3_REGS)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:

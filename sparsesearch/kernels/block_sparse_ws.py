@@ -509,6 +509,9 @@ def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
+PACK3_REGS = 152  # registers per consumer thread with three consumer warpgroups: 13 warps share the SM's 64K
+
+
 def _pack(group: int, head_dim: int) -> int:
     """Heads per work item: 3 for groups of 3 and 9 at d 64, else 2. Pairs would leave one warpgroup idle through
     every third head's item; three warpgroups read each K/V tile once per group and take turns on the tensor cores:
@@ -566,7 +569,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
     consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
     ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill. With three
-    consumer warpgroups (_pack) at most 152: 13 warps share the SM's 64K registers."""
+    consumer warpgroups (_pack) at most PACK3_REGS."""
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
@@ -574,7 +577,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     group = q_heads // kv_heads
     pack = _pack(group, head_dim)
     if pack == 3:
-        consumer_regs = min(consumer_regs, 152)
+        consumer_regs = min(consumer_regs, PACK3_REGS)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
