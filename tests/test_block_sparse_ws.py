@@ -55,10 +55,20 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, index)  # D not unit-strided
 
 
-def test_three_heads_per_item_for_groups_of_3_and_9_at_d64_only():
-    """Pairs elsewhere: a third warpgroup's registers do not fit a d-128 consumer (spills), and even groups pair up."""
-    assert [ws._pack(group, 64) for group in (2, 3, 4, 6, 7, 9)] == [2, 3, 2, 2, 2, 3]
-    assert [ws._pack(group, 128) for group in (3, 9)] == [2, 2]
+def test_three_heads_per_item_for_groups_of_3_and_9():
+    """Pairs elsewhere: even groups pair up, and a d-128 consumer with a column table or a window mask spills in a
+    third warpgroup's registers. The producer gives up registers for them; at d 128 O leaves through Q's buffers, so
+    their ring has 4 stages."""
+    assert [ws._pack(group, 64, False) for group in (2, 3, 4, 6, 7, 9)] == [2, 3, 2, 2, 2, 3]
+    assert [ws._pack(group, 64, True) for group in (3, 9)] == [3, 3]
+    assert [ws._pack(group, 128, False) for group in (3, 4, 9)] == [3, 2, 3]
+    assert [ws._pack(group, 128, True) for group in (3, 9)] == [2, 2]
+    assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
+    assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
+    assert ws._plan(3, 128, True, None, 224) == (2, 3, 224, ws.PAIR_PRODUCER_REGS)
+    assert ws._plan(9, 128, False, 2, 224)[1] == 2  # a given ring depth is kept
+    # The consumers' and the producer's registers fill the 4 warpgroups' worth Triton launches with, 128 per thread.
+    assert 3 * ws.PACK3_REGS + ws.PACK3_PRODUCER_REGS <= 4 * 128
 
 
 def test_shapes_fit_columns_only_through_a_table():
@@ -80,9 +90,9 @@ def _compile(head_dim: int, stages: int, table: bool, window: bool, group: int =
 
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
     qd, kd = ws._head_descriptor(q), ws._head_descriptor(q[:, :2].contiguous())
-    pack = ws._pack(group, head_dim)
+    pack, stages, consumer_regs, producer_regs = ws._plan(group, head_dim, table or window, stages, 224)
     consts = dict(HEAD_DIM=head_dim, PACK=pack, GROUP=group, STAGES=stages, WINDOW=window, TABLE=table, USE_HEAD_MAP=table,
-                  CONSUMER_REGS=224 if pack == 2 else ws.PACK3_REGS)
+                  CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
     fn = ws._block_sparse_ws_fwd
     signature = {}
     for name in fn.arg_names:
@@ -146,7 +156,9 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
 @pytest.mark.parametrize("head_dim,stages,table,window,group", [
     (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
     (128, 3, False, False, 7), (128, 3, True, True, 3),  # odd groups: a warpgroup idles through single-head items
-    (64, 3, True, True, 3), (64, 3, False, False, 9),  # d 64, groups of 3 and 9: three warpgroups in 152 registers
+    # Groups of 3 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
+    (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 3), (128, 3, False, False, 3),
+    (128, 4, False, False, 9), (128, 3, False, True, 3),  # the last: pairs (a window mask at d 128)
 ])
 def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window, group):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
@@ -162,8 +174,8 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
     assert report["spills"] == 0, "a partition spills registers"
     # Q and P both reach the tensor cores from registers: with 64-key tiles, a QK reading Q from shared memory too
     # takes shared memory's whole bandwidth (3-5% slower per launch on an H200, RESULTS.md Run 19). Three warpgroups
-    # (groups of 3 and 9 at d 64) have no registers for Q: there P alone comes from registers.
-    if ws._pack(group, head_dim) == 2:
+    # have no registers for Q at d 128 or with a table: there P alone comes from registers.
+    if ws._pack(group, head_dim, table or window) == 2 or (head_dim == 64 and not table):
         assert report["a_in_registers"] > 0 and report["a_in_shared"] == 0, report
     else:
         assert report["a_in_registers"] > 0 and report["a_in_shared"] > 0, report
@@ -189,10 +201,11 @@ CASES = [
     (1, 8, 2, 333, 333, 64, torch.float16),
     (1, 4, 1, 100, 260, 128, torch.bfloat16),  # bottom-right: queries are the last 100 of 260 keys
     (2, 2, 1, 64, 64, 128, torch.bfloat16),
-    (2, 6, 2, 200, 200, 128, torch.bfloat16),  # odd group (3, SmolLM2's): items of 2 heads and of 1
+    (2, 6, 2, 200, 200, 128, torch.bfloat16),  # d 128, a group of 3 (Llama-3.2-3B's): three heads per item
     (1, 7, 1, 130, 190, 64, torch.float16),  # a group of 7 (Qwen2-VL-7B's), bottom-right
     (2, 6, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 3 (SmolLM2-135M's): three heads per item
     (1, 9, 1, 130, 190, 64, torch.float16),  # d 64, a group of 9: three items of three, bottom-right
+    (1, 9, 1, 130, 190, 128, torch.bfloat16),  # d 128, a group of 9, bottom-right
 ]
 
 
@@ -211,7 +224,9 @@ def test_matches_oracle_and_the_triton_kernel(case, stages):
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
+# Groups of 3 with a window mask: three warpgroups at d 64, pairs with one idle warpgroup at d 128 (_pack).
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[6]],
+                         ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
 @pytest.mark.parametrize("window, sink", [(70, 0), (100, 20)])
 def test_window_and_sink_match_oracle_and_the_triton_kernel(case, window, sink):
     """A-shape / triangle streaming indexes: every listed block is partial and masked by the window/sink rule in
@@ -248,6 +263,8 @@ VS_CASES = [
     (2, 4, 2, 300, 333, 64, torch.float16, 120, 3, 40, 2),  # near-diagonal slashes: long clean runs, unmasked tiles
     (1, 8, 2, 450, 450, 128, torch.bfloat16, 200, 7, None, 1),  # far slashes break the runs: masked slot tiles
     (2, 2, 1, 100, 260, 128, torch.bfloat16, 90, 2, 40, 1),  # bottom-right; one index expanded to the batch
+    (1, 6, 2, 300, 300, 64, torch.float16, 100, 4, None, 1),  # a group of 3 at d 64: three warpgroups, Q in smem
+    (1, 6, 2, 300, 300, 128, torch.bfloat16, 100, 4, None, 1),  # a group of 3 at d 128: pairs (a table, _pack)
 ]
 
 
@@ -319,13 +336,13 @@ def test_runtime_layout_is_read_and_written_in_place():
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads"])
+@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads"])
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
-    odd_heads: groups of 3 under a head map, so single-head items (one warpgroup idling through the ring) sit
-    between paired ones."""
-    group = 3 if kind == "odd_heads" else 2
+    odd_heads: groups of 7 under a head map, so single-head items (one warpgroup idling through the ring) sit
+    between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128)."""
+    group = {"odd_heads": 7, "triple_heads": 3}.get(kind, 2)
     q, k, v = qkv(2, 4 * group, 4, 333, 333, 128, torch.bfloat16)
     heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind.endswith("heads") else None
     if kind == "table":
@@ -334,6 +351,10 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
         window = dict(window=90, sink=8) if kind == "window" else {}
         index = random_index(2, 4 if heads is None else 2, 333, 333, 64, 64, density=0.6, head_space="kv",
                              device="cuda", **window)
+    if kind == "triple_heads":  # items with no key tile between full ones: each still frees the item before's Q
+        index = dataclasses.replace(index, full_count=index.full_count.clone(), partial_count=index.partial_count.clone())
+        index.full_count[:, 0, 1:3] = 0
+        index.partial_count[:, 0, 1:3] = 0
     runs = [ws.block_sparse_ws_attention(q, k, v, index, scale=128 ** -0.5, heads=heads, programs=n,
                                          out=torch.zeros_like(q), lse=torch.zeros(q.shape[:3], device="cuda"))
             for n in (None, 1, 3)]

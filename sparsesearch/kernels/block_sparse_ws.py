@@ -7,7 +7,7 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks work items (PACK heads of one GQA group, one in an odd group's last item, x 64 query
-rows; PACK is 3 for groups of 3 and 9 at d 64, 2 otherwise; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
+rows; PACK is 3 for groups of 3 and 9 (_pack), 2 otherwise; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
 first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
 launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
@@ -307,6 +307,15 @@ def _epilogue(o_desc, o_buf, LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q
 
 
 @gluon.jit
+def _release_previous_q(q_empty, it):
+    """Three d-128 warpgroups store O through their Q buffers (_block_sparse_ws_fwd): item it - 1's buffer is free
+    for the producer once that item's O store has read it, which it has, or nearly, by item it's first QK."""
+    if it > 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index((it - 1) % 2), count=1)
+
+
+@gluon.jit
 def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
               PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
               s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
@@ -315,6 +324,10 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
     explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
+    # Three warpgroups have 160 registers each (PACK3_REGS): a d-128 consumer, or one with a column table, spills
+    # with Q in registers, so it reads Q from shared memory until the item's last QK.
+    Q_IN_SMEM: gl.constexpr = PACK == 3 and (HEAD_DIM == 128 or TABLE)
+    O_IN_Q: gl.constexpr = PACK == 3 and HEAD_DIM == 128  # O leaves through Q's buffer (_block_sparse_ws_fwd)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -342,8 +355,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         rows = m_block * BLOCK + offs_r
         pos = rows + (kv_len - q_len)  # each row's frontier among the keys (bottom-right alignment)
         qb = it % 2
-        if PACK == 3:
-            # Three warpgroups share 64K registers (152 each): Q stays in shared memory until the item's last QK.
+        if Q_IN_SMEM:
             q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM)
         else:
             if active:
@@ -375,7 +387,9 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             s = tile % STAGES
             mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
             qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if PACK == 3:
+            if O_IN_Q:
+                _release_previous_q(q_empty, it)  # under the first QK
+            if Q_IN_SMEM:
                 qk = warpgroup_mma_wait(0, deps=(qk,))
             else:
                 qk, q = warpgroup_mma_wait(0, deps=(qk, q))
@@ -391,7 +405,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
                 # Groups retire in order: the scores, not yet PV. Q in registers is named, so they stay Q's meanwhile.
-                if PACK == 3:
+                if Q_IN_SMEM:
                     qk = warpgroup_mma_wait(1, deps=(qk,))
                 else:
                     qk, q = warpgroup_mma_wait(1, deps=(qk, q))
@@ -411,10 +425,16 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
             pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
             acc, _ = warpgroup_mma_wait(0, deps=(pv, p_op))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
-        if PACK == 3:
-            mbarrier.arrive(q_empty.index(qb), count=1)  # this item's QKs are done with its Q buffer
+        elif O_IN_Q:
+            _release_previous_q(q_empty, it)  # an item with no key tile
+        if O_IN_Q:
+            o_slot = qb * PACK + HEAD  # its Q buffer, released under the next item's first QK
+        else:
+            o_slot = HEAD
+            if Q_IN_SMEM:
+                mbarrier.arrive(q_empty.index(qb), count=1)  # this item's QKs are done with its Q buffer
         if active:
-            _epilogue(o_desc, o_smem.index(HEAD), LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM, row_o)
+            _epilogue(o_desc, o_smem.index(o_slot), LSE, acc, m_i, l_i, b, h, m_block, rows, q_heads, q_len, HEAD_DIM, row_o)
         it += 1
         # The next item (or the end) and its Q.
         mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
@@ -441,12 +461,17 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
                          s_ib, s_ih, s_wb, s_wh, s_wm, s_tb, s_th, s_tm,
                          HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                          WINDOW: gl.constexpr, TABLE: gl.constexpr, USE_HEAD_MAP: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2 * PACK] + q_desc.block_type.shape, q_desc.layout)  # 2 items x PACK heads
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
+    if PACK == 3 and HEAD_DIM == 128:
+        # O through each head's Q buffer, free after the item's last QK: 3 O tiles (48 KiB) less, so the K/V ring has
+        # 4 stages, not 2 (225 KiB in all; 1.09-1.13x on block top-k, H200, benchmarks/RESULTS.md, Run 23).
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
     # Each Q buffer's item (a scheduler's ticket) and its fields, written by the producer before it arrives on q_ready.
     item_smem = gl.allocate_shared_memory(gl.int32, [2 * NF, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -480,7 +505,7 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
                          kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
                          HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
                          s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
@@ -495,7 +520,7 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
                          kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
                          HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
                          s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
-        ], [4, 1], [CONSUMER_REGS, 40])
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -509,15 +534,31 @@ def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
-PACK3_REGS = 152  # registers per consumer thread with three consumer warpgroups: 13 warps share the SM's 64K
+# Triton gives the 13 warps of three consumers and a 1-warp producer 4 warpgroups' registers (64K, 128 per thread at
+# launch); setmaxnreg moves them to the consumers: 3 x 160 + 32 = 4 x 128. With pairs the producer keeps 40.
+PACK3_REGS, PACK3_PRODUCER_REGS, PAIR_PRODUCER_REGS = 160, 32, 40
 
 
-def _pack(group: int, head_dim: int) -> int:
-    """Heads per work item: 3 for groups of 3 and 9 at d 64, else 2. Pairs would leave one warpgroup idle through
-    every third head's item; three warpgroups read each K/V tile once per group and take turns on the tensor cores:
-    1.26-1.37x per launch at 24/8 and 9/3 heads, 8K-32K, every index kind (H200, benchmarks/RESULTS.md, Run 22). At
-    d 128 a third warpgroup does not fit: 13 warps share 64K registers, 152 each, and a d-128 consumer spills there."""
-    return 3 if head_dim == 64 and group % 3 == 0 and group % 2 == 1 else 2
+def _pack(group: int, head_dim: int, masks: bool) -> int:
+    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without ``masks``: a column table or a window
+    mask), else 2. Pairs would leave one warpgroup idle through every third head's item; three warpgroups read each
+    K/V tile once per group and take turns on the tensor cores: 1.13-1.35x per launch at d 64 (24/8 and 9/3 heads,
+    8K-32K, every index kind) and 1.04-1.11x at d 128 (24/8 heads, block top-k and A-shape), H200,
+    benchmarks/RESULTS.md, Runs 22-23. In 160 registers a d-128 consumer spills with a table (pairs ran 1.2-1.3x
+    faster than those three warpgroups) and, under triton 3.9's ptxas, with a window mask."""
+    return 3 if group % 3 == 0 and group % 2 == 1 and (head_dim == 64 or not masks) else 2
+
+
+def _plan(group: int, head_dim: int, masks: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
+    """(heads per item, ring stages, consumer and producer registers per thread) for a launch; ``masks``: a column
+    table or a window mask; ``stages`` None for the default: 3, or 4 for three d-128 warpgroups, whose O leaves
+    through their Q buffers (_block_sparse_ws_fwd), which leaves room for a 4-stage ring."""
+    pack = _pack(group, head_dim, masks)
+    if stages is None:
+        stages = 4 if pack == 3 and head_dim == 128 else 3
+    if pack == 2:
+        return pack, stages, consumer_regs, PAIR_PRODUCER_REGS
+    return pack, stages, min(consumer_regs, PACK3_REGS), PACK3_PRODUCER_REGS
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
@@ -537,7 +578,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
     the Triton kernel), GQA groups of 2 or more, odd ones included (an odd group's last item runs one head, its second
-    warpgroup idle; groups of 3 and 9 at d 64 run three warpgroups instead, so none idles)."""
+    warpgroup idle; groups of 3 and 9 run three warpgroups instead, so none idles: _pack)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -556,15 +597,16 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
                               scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                              heads: torch.Tensor | None = None, stages: int = 3, programs: int | None = None,
+                              heads: torch.Tensor | None = None, stages: int | None = None, programs: int | None = None,
                               consumer_regs: int = 224) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Hq, Nq, D] like q, lse fp32 [B, Hq, Nq] (written into out/lse when given: out tma_layout_ok, lse
     contiguous): block_sparse_attention's dense kv-space path, the index's column table included. ws_eligible says what it takes; the
     caller has checked the index and the head map (block_sparse.check_index).
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
     are left untouched), or None for all of them.
-    stages: K/V ring depth. H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two
-    blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md, Run 15).
+    stages: K/V ring depth, None for _plan's (3; 4 for three d-128 warpgroups). H200, 32K, block top-k: one block
+    per tile x 3 stages ran 4-10% faster than two blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md,
+    Run 15).
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
     shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
     consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
@@ -575,9 +617,9 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    pack = _pack(group, head_dim)
-    if pack == 3:
-        consumer_regs = min(consumer_regs, PACK3_REGS)
+    table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
+    masks = table is not None or index.window >= 0
+    pack, stages, consumer_regs, producer_regs = _plan(group, head_dim, masks, stages, consumer_regs)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
@@ -589,7 +631,6 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out, lse
     grid = (min(n_items, programs or _sm_count(q.device)),)
     k_desc, v_desc = _head_descriptor(k), _head_descriptor(v)
-    table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
     if table is not None:
         # Each index row's slots as a contiguous slab (column_slabs.py), read through the same [1, 1, 64, D] boxes.
         kc, vc = column_slabs(k, v, table.ids, heads, 1, batch)
@@ -611,6 +652,6 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *table_strides,
         HEAD_DIM=head_dim, PACK=pack, GROUP=group, STAGES=stages, WINDOW=index.window >= 0,
         TABLE=table is not None, USE_HEAD_MAP=heads is not None,
-        CONSUMER_REGS=consumer_regs, num_warps=4,
+        CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, num_warps=4,
     )
     return out, lse
