@@ -539,21 +539,22 @@ def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
 PACK3_REGS, PACK3_PRODUCER_REGS, PAIR_PRODUCER_REGS = 160, 32, 40
 
 
-def _pack(group: int, head_dim: int, masks: bool) -> int:
-    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without ``masks``: a column table or a window
-    mask), else 2. Pairs would leave one warpgroup idle through every third head's item; three warpgroups read each
-    K/V tile once per group and take turns on the tensor cores: 1.13-1.35x per launch at d 64 (24/8 and 9/3 heads,
-    8K-32K, every index kind) and 1.04-1.11x at d 128 (24/8 heads, block top-k and A-shape), H200,
-    benchmarks/RESULTS.md, Runs 22-23. In 160 registers a d-128 consumer spills with a table (pairs ran 1.2-1.3x
-    faster than those three warpgroups) and, under triton 3.9's ptxas, with a window mask."""
-    return 3 if group % 3 == 0 and group % 2 == 1 and (head_dim == 64 or not masks) else 2
+def _pack(group: int, head_dim: int, table: bool) -> int:
+    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table), else 2. Pairs would
+    leave one warpgroup idle through every third head's item; three warpgroups read each K/V tile once per group and
+    take turns on the tensor cores: 1.13-1.35x per launch at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind) and
+    1.16-1.26x at d 128 on block top-k, 1.14-1.21x on A-shape (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md,
+    Runs 22-23. In 160 registers a d-128 consumer with a table spills (pairs ran 1.2-1.3x faster than those three
+    warpgroups); one with a window mask keeps 8 values in local memory under triton 3.9's ptxas (none under 3.6's),
+    one L1 load per key tile."""
+    return 3 if group % 3 == 0 and group % 2 == 1 and (head_dim == 64 or not table) else 2
 
 
-def _plan(group: int, head_dim: int, masks: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
-    """(heads per item, ring stages, consumer and producer registers per thread) for a launch; ``masks``: a column
-    table or a window mask; ``stages`` None for the default: 3, or 4 for three d-128 warpgroups, whose O leaves
-    through their Q buffers (_block_sparse_ws_fwd), which leaves room for a 4-stage ring."""
-    pack = _pack(group, head_dim, masks)
+def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
+    """(heads per item, ring stages, consumer and producer registers per thread) for a launch with or without a
+    column table; ``stages`` None for the default: 3, or 4 for three d-128 warpgroups, whose O leaves through their Q
+    buffers (_block_sparse_ws_fwd), which leaves room for a 4-stage ring."""
+    pack = _pack(group, head_dim, table)
     if stages is None:
         stages = 4 if pack == 3 and head_dim == 128 else 3
     if pack == 2:
@@ -618,8 +619,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     table = index.col_table if index.col_table is not None and index.col_table.ids.shape[-1] else None
-    masks = table is not None or index.window >= 0
-    pack, stages, consumer_regs, producer_regs = _plan(group, head_dim, masks, stages, consumer_regs)
+    pack, stages, consumer_regs, producer_regs = _plan(group, head_dim, table is not None, stages, consumer_regs)
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(batch, q_heads, q_len, dtype=torch.float32, device=q.device) if lse is None else lse
     n_qb = triton.cdiv(q_len, TILE)
