@@ -1,6 +1,6 @@
 """The persistent warp-specialized kernel (kernels/block_sparse_ws.py) against the Triton kernel it replaces.
 
-    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages 3] [--vs] [--ashape] [--heads 28 4]
+    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages N] [--vs] [--ashape] [--heads 28 4]
 
 Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads unless --heads, d=128, bf16) plus the
 "diag_only" and "null" indexes of benchmarks/program_cost.py (--vs: also benchmarks/kernels.py's planted vertical-slash indexes, whose
@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[32768])
     parser.add_argument("--k-blocks", type=int, nargs="+", default=[12, 24, 48])
-    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--stages", type=int, default=None, help="K/V ring depth (default: the kernel's plan, 3 or 4)")
     parser.add_argument("--vs", action="store_true", help="add the planted vertical-slash indexes (column table)")
     parser.add_argument("--ashape", action="store_true", help="add A-shape 128/4096 (window/sink masks)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"),

@@ -19,7 +19,9 @@ launches 0.73-0.80 balanced):
 - PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma with both A
   operands in registers (Q loaded once per item, which frees its buffer for the next item's Q at once; P never
   leaves them), the online softmax in registers and a mask only on tiles that need one; O leaves through an
-  asynchronous TMA store that overlaps the next item.
+  asynchronous TMA store that overlaps the next item. Three warpgroups (groups of 3 and 9) have 160 registers each:
+  at d 128 or with a column table they read Q from shared memory, and at d 128 O leaves through each head's Q
+  buffer, released under the next item's first QK, which leaves room for a 4-stage ring.
 A row's key tiles are its full blocks, its partial blocks, then (vertical-slash) 64-slot tiles of its column
 table's span (index.ColumnTable): the table's K/V rows copied once per launch into contiguous per-head slabs
 (column_slabs.py), so a tile of slots is one TMA box like a key block; tiles inside the clean run need no mask,
@@ -468,7 +470,7 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     if PACK == 3 and HEAD_DIM == 128:
         # O through each head's Q buffer, free after the item's last QK: 3 O tiles (48 KiB) less, so the K/V ring has
-        # 4 stages, not 2 (225 KiB in all; 1.09-1.13x on block top-k, H200, benchmarks/RESULTS.md, Run 23).
+        # 4 stages, not 2 (225 KiB in all; 1.07-1.13x on block top-k, H200, benchmarks/RESULTS.md, Run 23).
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
@@ -543,7 +545,7 @@ def _pack(group: int, head_dim: int, table: bool) -> int:
     """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table), else 2. Pairs would
     leave one warpgroup idle through every third head's item; three warpgroups read each K/V tile once per group and
     take turns on the tensor cores: 1.13-1.35x per launch at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind) and
-    1.16-1.26x at d 128 on block top-k, 1.14-1.21x on A-shape (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md,
+    1.16-1.26x at d 128 on block top-k, 1.16-1.24x on A-shape (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md,
     Runs 22-23. In 160 registers a d-128 consumer with a table spills (pairs ran 1.2-1.3x faster than those three
     warpgroups); one with a window mask keeps 8 values in local memory under triton 3.9's ptxas (none under 3.6's),
     one L1 load per key tile."""
