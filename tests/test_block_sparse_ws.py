@@ -56,12 +56,12 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
 
 
 def test_three_heads_per_item_for_groups_of_3_and_9():
-    """Pairs elsewhere: even groups pair up, and a d-128 consumer with a column table spills in a third warpgroup's
-    registers. The producer gives up registers for them; at d 128 O leaves through Q's buffers, so
+    """Pairs elsewhere: groups of 2, 4, 7, even groups at d 128 or with a table, and a d-128 consumer with a column
+    table spills in a third warpgroup's registers. The producer gives up registers for them; at d 128 O leaves through Q's buffers, so
     their ring has 4 stages."""
-    assert [ws._pack(group, 64, False) for group in (2, 3, 4, 6, 7, 9)] == [2, 3, 2, 2, 2, 3]
-    assert [ws._pack(group, 64, True) for group in (3, 9)] == [3, 3]
-    assert [ws._pack(group, 128, False) for group in (3, 4, 9)] == [3, 2, 3]
+    assert [ws._pack(group, 64, False) for group in (2, 3, 4, 6, 7, 9, 12)] == [2, 3, 2, 3, 2, 3, 3]
+    assert [ws._pack(group, 64, True) for group in (3, 6, 9)] == [3, 2, 3]
+    assert [ws._pack(group, 128, False) for group in (3, 4, 6, 9)] == [3, 2, 2, 3]
     assert [ws._pack(group, 128, True) for group in (3, 9)] == [2, 2]
     assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
@@ -157,7 +157,7 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
     (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
     (128, 3, False, False, 7), (128, 3, True, True, 3),  # odd groups: a warpgroup idles through single-head items
     # Groups of 3 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
-    (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 3), (128, 3, False, False, 3),
+    (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 6), (128, 3, False, False, 3),
     (128, 4, False, False, 9), (128, 4, False, True, 3),
 ])
 def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window, group):
@@ -212,6 +212,7 @@ CASES = [
     (2, 6, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 3 (SmolLM2-135M's): three heads per item
     (1, 9, 1, 130, 190, 64, torch.float16),  # d 64, a group of 9: three items of three, bottom-right
     (1, 9, 1, 130, 190, 128, torch.bfloat16),  # d 128, a group of 9, bottom-right
+    (2, 12, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 6: two items of three
 ]
 
 

@@ -542,14 +542,20 @@ PACK3_REGS, PACK3_PRODUCER_REGS, PAIR_PRODUCER_REGS = 160, 32, 40
 
 
 def _pack(group: int, head_dim: int, table: bool) -> int:
-    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table), else 2. Pairs would
-    leave one warpgroup idle through every third head's item; three warpgroups read each K/V tile once per group and
-    take turns on the tensor cores: 1.13-1.35x per launch at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind) and
-    1.16-1.26x at d 128 on block top-k, 1.16-1.24x on A-shape (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md,
-    Runs 22-23. In 160 registers a d-128 consumer with a table spills (pairs ran 1.2-1.3x faster than those three
+    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table) and for groups of 6 and 12
+    at d 64 without one, else 2. Pairs would leave one warpgroup idle through every third head's item; three
+    warpgroups read each K/V tile once per group and take turns on the tensor cores: 1.13-1.35x per launch at d 64
+    (24/8 and 9/3 heads, 8K-32K, every index kind) and 1.16-1.26x at d 128 on block top-k, 1.16-1.24x on A-shape
+    (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md, Runs 22-23. Where pairs idle nowhere, three warpgroups still
+    win at d 64, whose softmax is a larger share of each tile (12/2 heads, 32K: 1.11-1.15x), and lose at d 128 (up
+    to 8% at 8K). In 160 registers a d-128 consumer with a table spills (pairs ran 1.2-1.3x faster than those three
     warpgroups); one with a window mask keeps 8 values in local memory under triton 3.9's ptxas (none under 3.6's),
     one L1 load per key tile."""
-    return 3 if group % 3 == 0 and group % 2 == 1 and (head_dim == 64 or not table) else 2
+    if group % 3:
+        return 2
+    if group % 2:
+        return 3 if head_dim == 64 or not table else 2
+    return 3 if head_dim == 64 and not table else 2  # even groups: measured at d 64 without a table only
 
 
 def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
