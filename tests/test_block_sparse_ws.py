@@ -55,10 +55,10 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, index)  # D not unit-strided
 
 
-def test_three_heads_per_item_for_groups_of_3_and_9():
-    """Pairs elsewhere: groups of 2, 4, 7, even groups at d 128 or with a table, and a d-128 consumer with a column
-    table spills in a third warpgroup's registers. The producer gives up registers for them; at d 128 O leaves through Q's buffers, so
-    their ring has 4 stages."""
+def test_three_heads_per_item_where_three_warpgroups_win():
+    """Pairs elsewhere: groups of 2, 4 and 7; even groups at d 128 (slower) or with a column table (not measured);
+    groups of 3 and 9 at d 128 with a table, whose consumers spill in a third warpgroup's registers. The producer
+    gives up registers for three warpgroups; at d 128 their O leaves through Q's buffers, so their ring has 4 stages."""
     assert [ws._pack(group, 64, False) for group in (2, 3, 4, 6, 7, 9, 12)] == [2, 3, 2, 3, 2, 3, 3]
     assert [ws._pack(group, 64, True) for group in (3, 6, 9)] == [3, 2, 3]
     assert [ws._pack(group, 128, False) for group in (3, 4, 6, 9)] == [3, 2, 2, 3]
@@ -156,7 +156,7 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
 @pytest.mark.parametrize("head_dim,stages,table,window,group", [
     (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
     (128, 3, False, False, 7), (128, 3, True, True, 3),  # odd groups: a warpgroup idles through single-head items
-    # Groups of 3 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
+    # Groups of 3, 6 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
     (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 6), (128, 3, False, False, 3),
     (128, 4, False, False, 9), (128, 4, False, True, 3),
 ])
