@@ -587,7 +587,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
     the Triton kernel), GQA groups of 2 or more, odd ones included (an odd group's last item runs one head, its second
-    warpgroup idle; groups of 3 and 9 run three warpgroups instead, so none idles: _pack)."""
+    warpgroup idle; groups of 3 and 9 run three warpgroups instead, except at d 128 with a column table: _pack)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
