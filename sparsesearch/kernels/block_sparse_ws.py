@@ -329,7 +329,8 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
     # Three warpgroups have 160 registers each (PACK3_REGS): a d-128 consumer, or one with a column table, spills
     # with Q in registers, so it reads Q from shared memory until the item's last QK.
     Q_IN_SMEM: gl.constexpr = PACK == 3 and (HEAD_DIM == 128 or TABLE)
-    O_IN_Q: gl.constexpr = PACK == 3 and HEAD_DIM == 128  # O leaves through Q's buffer (_block_sparse_ws_fwd)
+    # O leaves through Q's buffers where _block_sparse_ws_fwd passes them as o_smem (2 items x PACK heads, not PACK).
+    O_IN_Q: gl.constexpr = o_smem.shape[0] == 2 * PACK
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
