@@ -66,12 +66,12 @@ def cases(q, k, k_blocks: list[int], block: int) -> dict:
     return out
 
 
-def gqa_inputs(n: int, heads: int = 32, kv_heads: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Seeded random bf16 q [1, heads, n, 128], k/v [1, kv_heads, n, 128] on the GPU: the shapes these benchmarks
-    time (32/8 by default, an 8B model's)."""
+def gqa_inputs(n: int, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random bf16 q [1, heads, n, dim], k/v [1, kv_heads, n, dim] on the GPU: the shapes these benchmarks
+    time (32/8 heads at d 128 by default, an 8B model's)."""
     torch.manual_seed(n)
-    q = torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, kv_heads, n, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, n, dim, device="cuda", dtype=torch.bfloat16)
     return q, k, torch.randn_like(k)
 
 

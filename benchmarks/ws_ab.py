@@ -1,8 +1,8 @@
 """The persistent warp-specialized kernel (kernels/block_sparse_ws.py) against the Triton kernel it replaces.
 
-    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages N] [--vs] [--ashape] [--heads 28 4]
+    python -m benchmarks.ws_ab --n 4000 32768 --k-blocks 12 24 48 [--stages N] [--vs] [--ashape] [--heads 28 4] [--dim 64]
 
-Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads unless --heads, d=128, bf16) plus the
+Per length: block top-k indexes (64-blocks, kv head space, 32 query / 8 KV heads unless --heads, d 128 unless --dim, bf16) plus the
 "diag_only" and "null" indexes of benchmarks/program_cost.py (--vs: also benchmarks/kernels.py's planted vertical-slash indexes, whose
 columns both kernels read from the column table; --ashape: A-shape with a 128-token sink and a 4096-token window,
 every block partial under the window/sink mask, near-dense at 8K). Each row checks the new kernel against the Triton one
@@ -52,10 +52,10 @@ def run(args) -> list[dict]:
     command = "python -m benchmarks.ws_ab " + " ".join(sys.argv[1:])
     rows = []
     for n in args.n:
-        q, k, v = gqa_inputs(n, *args.heads)
+        q, k, v = gqa_inputs(n, *args.heads, args.dim)
         sdpa_ms = sdpa_alone_ms(q, k, v, clock, flush)
-        triton_cfg = {key: val for key, val in _launch_config(64, 64, 128, q.device).items() if key != "ws"}
-        new = lambda index: block_sparse_ws_attention(q, k, v, index, scale=1 / math.sqrt(128), stages=args.stages)
+        triton_cfg = {key: val for key, val in _launch_config(64, 64, args.dim, q.device).items() if key != "ws"}
+        new = lambda index: block_sparse_ws_attention(q, k, v, index, scale=1 / math.sqrt(args.dim), stages=args.stages)
         old = lambda index: block_sparse_attention(q, k, v, index, config=dict(triton_cfg))
         for name, index in _cases(q, k, args).items():
             if not ws_eligible(q, k, v, index):
@@ -67,7 +67,7 @@ def run(args) -> list[dict]:
             t_old, t_new = (timed.ms[0] + timed.ms[2]) / 2, timed.ms[1]
             density = computed_density(index, n)
             rows += emit([{
-                "bench": "ws_ab", "device": torch.cuda.get_device_name(), "n": n, "heads": list(args.heads), "case": name,
+                "bench": "ws_ab", "device": torch.cuda.get_device_name(), "n": n, "heads": list(args.heads), "dim": args.dim, "case": name,
                 "density": round(density, 5),
                 "stages": args.stages, "triton_ms": round(t_old, 4), "ws_ms": round(t_new, 4),
                 "speedup": round(t_old / t_new, 3), "sdpa_ms": round(sdpa_ms, 3),
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--ashape", action="store_true", help="add A-shape 128/4096 (window/sink masks)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"),
                         help="query and KV heads (28 4: Qwen2-VL-7B's odd group of 7)")
+    parser.add_argument("--dim", type=int, default=128, choices=(64, 128), help="head dim (64: Llama-3.2-1B's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

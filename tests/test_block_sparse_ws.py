@@ -41,7 +41,7 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_eligible(q, k, v, index), "CPU tensors never take the GPU kernel"
     assert not ws.ws_shapes_fit(*_plain(dim=96)[:3], _plain(dim=96)[3])
     assert not ws.ws_shapes_fit(*_plain(dtype=torch.float32))
-    assert ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # odd GQA group: its last item has one head
+    assert ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # an odd GQA group
     assert ws.ws_shapes_fit(*_plain(q_heads=14, kv_heads=2))  # Qwen2-VL-7B's group of 7
     assert not ws.ws_shapes_fit(*_plain(q_heads=2, kv_heads=2))  # MHA stays with the Triton kernel
     assert not ws.ws_shapes_fit(*_plain(columns=3))
@@ -55,20 +55,28 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, index)  # D not unit-strided
 
 
-def test_three_heads_per_item_where_three_warpgroups_win():
-    """Pairs elsewhere: groups of 2, 4 and 7; even groups at d 128 (slower) or with a column table (not measured);
-    groups of 3 and 9 at d 128 with a table, whose consumers spill in a third warpgroup's registers. The producer
-    gives up registers for three warpgroups; at d 128 their O leaves through Q's buffers, so their ring has 4 stages."""
-    assert [ws._pack(group, 64, False) for group in (2, 3, 4, 6, 7, 9, 12)] == [2, 3, 2, 3, 2, 3, 3]
-    assert [ws._pack(group, 64, True) for group in (3, 6, 9)] == [3, 2, 3]
+def test_three_or_four_heads_per_item_where_more_warpgroups_win():
+    """Three for groups divisible by 3, except even ones at d 128 (slower) or with a column table (not measured) and
+    groups of 3 and 9 at d 128 with a table, whose consumers spill in a third warpgroup's registers. Four at d 64
+    without a table where the last item leaves at most one warpgroup idle (groups of 12 keep three: equal); never at
+    d 128 or with a table, whose consumers spill in a fourth warpgroup's registers. Pairs elsewhere: groups of 2, 5
+    and 10, every d-128 group not divisible by 3. The producer gives up registers for three or four warpgroups; at
+    d 128 three have their O leave through Q's buffers, so their ring has 4 stages."""
+    groups = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
+    assert [ws._pack(group, 64, False) for group in groups] == [2, 3, 4, 2, 3, 4, 4, 3, 2, 3, 4]
+    assert [ws._pack(group, 64, True) for group in (3, 4, 6, 7, 8, 9)] == [3, 2, 2, 2, 2, 3]
+    assert [ws._pack(group, 128, False) for group in (4, 7, 8, 16)] == [2, 2, 2, 2]
     assert [ws._pack(group, 128, False) for group in (3, 4, 6, 9)] == [3, 2, 2, 3]
     assert [ws._pack(group, 128, True) for group in (3, 9)] == [2, 2]
     assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 128, True, None, 224) == (2, 3, 224, ws.PAIR_PRODUCER_REGS)
     assert ws._plan(9, 128, False, 2, 224)[1] == 2  # a given ring depth is kept
-    # The consumers' and the producer's registers fill the 4 warpgroups' worth Triton launches with, 128 per thread.
+    assert ws._plan(8, 64, False, None, 224) == (4, 3, ws.PACK4_REGS, ws.PACK4_PRODUCER_REGS)
+    # The consumers' and the producer's registers fill what Triton launches the padded warpgroups with: 4 x 128
+    # per thread for 13 warps, 5 x 96 for 17 (65536 / 640 rounded down to a multiple of 8).
     assert 3 * ws.PACK3_REGS + ws.PACK3_PRODUCER_REGS <= 4 * 128
+    assert 4 * ws.PACK4_REGS + ws.PACK4_PRODUCER_REGS <= 5 * 96
 
 
 def test_shapes_fit_columns_only_through_a_table():
@@ -159,6 +167,8 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
     # Groups of 3, 6 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
     (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 6), (128, 3, False, False, 3),
     (128, 4, False, False, 9), (128, 4, False, True, 3),
+    # Groups of 4, 7 and 8 at d 64: four warpgroups in 112 registers, Q from shared memory.
+    (64, 3, False, False, 4), (64, 3, False, False, 7), (64, 3, False, True, 8),
 ])
 def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window, group):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
@@ -171,17 +181,23 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
     assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
-    if (head_dim, table, window, ws._pack(group, head_dim, table)) == (128, False, True, 3):
+    pack = ws._pack(group, head_dim, table)
+    if (head_dim, table, window, pack) == (128, False, True, 3):
         # ptxas 13 (triton 3.9) keeps 8 values of this kernel in local memory: 8 stores in the prologue, a few loads
         # per item and one L1 load per key tile (none under the 12.x ptxas of triton 3.6, the GPU hosts'). A bound,
         # so that a change which spills in earnest fails here.
         assert report["spills"] <= 48, report
+    elif pack == 4:
+        # Four consumers in 112 registers: ptxas 13 keeps 13-29 values in local memory (49-93 spill instructions),
+        # loaded at item boundaries and, with a window mask, twice per key tile; ptxas 12.8 none, or 7 instructions
+        # with a window. A column table would take hundreds (_pack keeps pairs there).
+        assert report["spills"] <= 100, report
     else:
         assert report["spills"] == 0, "a partition spills registers"
     # Q and P both reach the tensor cores from registers: with 64-key tiles, a QK reading Q from shared memory too
     # takes shared memory's whole bandwidth (3-5% slower per launch on an H200, RESULTS.md Run 19). Three warpgroups
-    # have no registers for Q at d 128 or with a table: there P alone comes from registers.
-    if ws._pack(group, head_dim, table) == 2 or (head_dim == 64 and not table):
+    # have no registers for Q at d 128 or with a table, four none at all: there P alone comes from registers.
+    if pack == 2 or (pack == 3 and head_dim == 64 and not table):
         assert report["a_in_registers"] > 0 and report["a_in_shared"] == 0, report
     else:
         assert report["a_in_registers"] > 0 and report["a_in_shared"] > 0, report
@@ -213,6 +229,8 @@ CASES = [
     (1, 9, 1, 130, 190, 64, torch.float16),  # d 64, a group of 9: three items of three, bottom-right
     (1, 9, 1, 130, 190, 128, torch.bfloat16),  # d 128, a group of 9, bottom-right
     (2, 12, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 6: two items of three
+    (2, 16, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 8 (two items of four)
+    (1, 14, 2, 100, 260, 64, torch.bfloat16),  # d 64, groups of 7: an item of four, one of three, bottom-right
 ]
 
 
@@ -231,8 +249,9 @@ def test_matches_oracle_and_the_triton_kernel(case, stages):
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-# Groups of 3 with a window mask: three warpgroups per item (_pack), Q in registers at d 64 and in shared memory at d 128.
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[6]],
+# Groups of 3 with a window mask: three warpgroups per item (_pack), Q in registers at d 64 and in shared memory at d 128;
+# groups of 4 and 7 at d 64: four.
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[6], CASES[11]],
                          ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
 @pytest.mark.parametrize("window, sink", [(70, 0), (100, 20)])
 def test_window_and_sink_match_oracle_and_the_triton_kernel(case, window, sink):
@@ -343,14 +362,16 @@ def test_runtime_layout_is_read_and_written_in_place():
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads"])
+@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads", "quad_heads"])
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
     odd_heads: groups of 7 under a head map, so single-head items (one warpgroup idling through the ring) sit
-    between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128)."""
-    group = {"odd_heads": 7, "triple_heads": 3}.get(kind, 2)
-    q, k, v = qkv(2, 4 * group, 4, 333, 333, 128, torch.bfloat16)
+    between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
+    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling)."""
+    group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7}.get(kind, 2)
+    dim = 64 if kind == "quad_heads" else 128
+    q, k, v = qkv(2, 4 * group, 4, 333, 333, dim, torch.bfloat16)
     heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind.endswith("heads") else None
     if kind == "table":
         index = vertical_slash.index_from_lines(vs_lines(2, 4, 333, 333, 70, 3, "kv", reach=40), block_m=64, block_n=64)
@@ -358,11 +379,11 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
         window = dict(window=90, sink=8) if kind == "window" else {}
         index = random_index(2, 4 if heads is None else 2, 333, 333, 64, 64, density=0.6, head_space="kv",
                              device="cuda", **window)
-    if kind == "triple_heads":  # items with no key tile between full ones: each still frees the item before's Q
+    if kind in ("triple_heads", "quad_heads"):  # items with no key tile between full ones: each still frees the item before's Q
         index = dataclasses.replace(index, full_count=index.full_count.clone(), partial_count=index.partial_count.clone())
         index.full_count[:, 0, 1:3] = 0
         index.partial_count[:, 0, 1:3] = 0
-    runs = [ws.block_sparse_ws_attention(q, k, v, index, scale=128 ** -0.5, heads=heads, programs=n,
+    runs = [ws.block_sparse_ws_attention(q, k, v, index, scale=dim ** -0.5, heads=heads, programs=n,
                                          out=torch.zeros_like(q), lse=torch.zeros(q.shape[:3], device="cuda"))
             for n in (None, 1, 3)]
     for out, lse in runs[1:]:
@@ -371,7 +392,7 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
         assert_close(*runs[0], q, k, v, index_mask_fn(index, 333, 333, group))
     else:
         served = [kv * group + j for kv in heads.tolist() for j in range(group)]
-        want_o, want_l = block_sparse_attention(q, k, v, index, heads=heads, config=_triton_config(128))
+        want_o, want_l = block_sparse_attention(q, k, v, index, heads=heads, config=_triton_config(dim))
         _assert_same(runs[0][0][:, served], runs[0][1][:, served], want_o[:, served], want_l[:, served])
 
 

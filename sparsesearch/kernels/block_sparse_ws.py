@@ -6,9 +6,9 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 (benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
-Here one CTA per SM walks work items (PACK heads of one GQA group, one in an odd group's last item, x 64 query
-rows; PACK is 3 for groups of 3 and 9 (_pack), 2 otherwise; with a head map, of the KV heads the launch serves, so a layer's pattern groups each take it), heaviest
-first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
+Here one CTA per SM walks work items (PACK heads of one GQA group, fewer in a group's last item when PACK does not
+divide it, x 64 query rows; PACK is 2, 3 or 4 by group, head dim and column table (_pack); with a head map, of the
+KV heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
 launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
@@ -19,9 +19,10 @@ launches 0.73-0.80 balanced):
 - PACK consumer partitions (one warpgroup each: one head's 64 rows) run QK^T and PV on wgmma with both A
   operands in registers (Q loaded once per item, which frees its buffer for the next item's Q at once; P never
   leaves them), the online softmax in registers and a mask only on tiles that need one; O leaves through an
-  asynchronous TMA store that overlaps the next item. Three warpgroups (groups of 3 and 9) have 160 registers each:
-  at d 128 or with a column table they read Q from shared memory, and at d 128 O leaves through each head's Q
-  buffer, released under the next item's first QK, which leaves room for a 4-stage ring.
+  asynchronous TMA store that overlaps the next item. Three warpgroups have 160 registers each: at d 128 or with a
+  column table they read Q from shared memory, and at d 128 O leaves through each head's Q buffer, released under
+  the next item's first QK, which leaves room for a 4-stage ring. Four (d 64) have 112 and read Q from shared
+  memory.
 A row's key tiles are its full blocks, its partial blocks, then (vertical-slash) 64-slot tiles of its column
 table's span (index.ColumnTable): the table's K/V rows copied once per launch into contiguous per-head slabs
 (column_slabs.py), so a tile of slots is one TMA box like a key block; tiles inside the clean run need no mask,
@@ -61,8 +62,8 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr):
     """Work item w -> (batch, first query head, its KV head, its index row, query block, heads in the item): query
     blocks run fastest, heaviest (last) first. A GQA group's heads split into ceil(GROUP / PACK) items that share
-    its KV head; with an odd group the last one holds a single head (Qwen2-VL-7B's 7, SmolLM2's 3). With a
-    head map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
+    its KV head; when PACK does not divide GROUP the last one holds the GROUP % PACK heads left (Qwen2-7B's 7 in
+    pairs: 2 + 2 + 2 + 1). With a head map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
     PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
     hp = w // n_qb
     j = hp % packs_per_batch
@@ -216,11 +217,11 @@ def _softmax(qk, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
+              USE_HEAD_MAP: gl.constexpr,
+              q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
               item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN, HEAD_MAP, n_slots,
-              n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm,
-              PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TABLE: gl.constexpr,
-              USE_HEAD_MAP: gl.constexpr):
+              n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm):
     """Hands out the CTA's items and streams their Q and K/V tiles. The first item is the CTA's own index; each
     next one is a ticket from ITEM_CTR, so CTAs that drew light items take more of them (heaviest first, the tail
     is the lightest): a static round-robin left the SMs 0.73-0.80 balanced on near-dense 8K launches (16 items
@@ -248,9 +249,10 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         if GROUP % PACK == 0:
             mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         else:
-            # An odd group's last item has one head (PACK is 2): the bytes expected are a constant per expect.
-            mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes, pred=n_heads == PACK)
-            mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes, pred=n_heads != PACK)
+            # A group's last item may hold fewer heads (GROUP % PACK): the bytes expected are a constant per expect,
+            # so one predicated expect per head count, of which one arrives.
+            for r in gl.static_range(1, PACK + 1):
+                mbarrier.expect(q_ready.index(qb), r * q_desc.block_type.nbytes, pred=n_heads == r)
         for p in gl.static_range(PACK):
             _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p),
                       pred=p < n_heads)
@@ -318,17 +320,17 @@ def _release_previous_q(q_empty, it):
 
 
 @gluon.jit
-def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
+def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              WINDOW: gl.constexpr, TABLE: gl.constexpr, HEAD: gl.constexpr,
+              o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
               PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-              s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-              HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              WINDOW: gl.constexpr, TABLE: gl.constexpr, HEAD: gl.constexpr):
+              s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
     explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
-    # Three warpgroups have 160 registers each (PACK3_REGS): a d-128 consumer, or one with a column table, spills
-    # with Q in registers, so it reads Q from shared memory until the item's last QK.
-    Q_IN_SMEM: gl.constexpr = PACK == 3 and (HEAD_DIM == 128 or TABLE)
+    # Three warpgroups have 160 registers each (PACK3_REGS), four 112 (PACK4_REGS): a consumer of four, or of three at
+    # d 128 or with a column table, spills with Q in registers, so it reads Q from shared memory until the item's last QK.
+    Q_IN_SMEM: gl.constexpr = PACK == 4 or (PACK == 3 and (HEAD_DIM == 128 or TABLE))
     # O leaves through Q's buffers where _block_sparse_ws_fwd passes them as o_smem (2 items x PACK heads, not PACK).
     O_IN_Q: gl.constexpr = o_smem.shape[0] == 2 * PACK
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
@@ -351,7 +353,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
         if GROUP % PACK == 0:
             active = True
         else:
-            active = HEAD < n_heads  # an odd group's last item has no head for this warpgroup
+            active = HEAD < n_heads  # a group's last item may have no head for this warpgroup
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
         ids_base = TAB_IDS + b * s_ib + idx_h * s_ih
         bits_base = TAB_BITS + b * s_wb + idx_h * s_wh + m_block * s_wm
@@ -367,7 +369,7 @@ def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empt
                 # H200, 8K-32K, every index kind (benchmarks/RESULTS.md, Run 19).
                 q = _tile(q_smem, qb * PACK + HEAD, HEAD_DIM).load(q_layout)
             else:
-                q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)  # never read: an odd group's empty slot has no Q
+                q = gl.zeros([BLOCK, HEAD_DIM], q_smem.dtype, q_layout)  # never read: an empty slot has no Q
             # Q is in registers (or not needed): the producer may load the item after next into this buffer now.
             mbarrier.arrive(q_empty.index(qb), count=1)
         m_i = gl.full([BLOCK], float("-inf"), gl.float32, row_s)
@@ -488,42 +490,32 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=PACK)
-    # The argument lists are spelled out, once per partition count: a tuple or list built in the kernel would turn
-    # the constexprs into tensors, so the two calls cannot share them.
-    if PACK == 3:
-        gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 2)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                         kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
-                         HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
-                         s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    # Each partition's arguments: its constexprs in a literal, then the shared rest. A tuple assigned in the kernel
+    # turns constexprs into tensors, and a tuple sum unwraps those of its right-hand side, not of its left.
+    cargs = (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE, PART_IDX,
+             TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
+             s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm)
+    pargs = (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+             item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN, HEAD_MAP, n_slots,
+             n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm, s_pb, s_ph, s_pm, s_tb, s_th, s_tm)
+    if PACK == 4:
+        gl.warp_specialize([(_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 2) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 3) + cargs),
+                            (_producer, (PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP) + pargs)],
+                           [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    elif PACK == 3:
+        gl.warp_specialize([(_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 2) + cargs),
+                            (_producer, (PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP) + pargs)],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE,
-                         PART_IDX, TAB_IDS, TAB_BITS, n_items, q_heads, q_len, kv_len, window, sink, qk_scale,
-                         s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm,
-                         HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
-                         kv_empty, item_smem, ITEM_CTR, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, TAB_SPAN, TAB_CLEAN,
-                         HEAD_MAP, n_slots, n_items, n_qb, packs_per_batch, s_cb, s_ch, s_cm, s_fb, s_fh, s_fm,
-                         s_pb, s_ph, s_pm, s_tb, s_th, s_tm, PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 0) + cargs),
+                            (_consumer, (HEAD_DIM, PACK, GROUP, STAGES, WINDOW, TABLE, 1) + cargs),
+                            (_producer, (PACK, GROUP, STAGES, TABLE, USE_HEAD_MAP) + pargs)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -537,21 +529,31 @@ def _head_descriptor(t: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
-# Triton gives the 13 warps of three consumers and a 1-warp producer 4 warpgroups' registers (64K, 128 per thread at
-# launch); setmaxnreg moves them to the consumers: 3 x 160 + 32 = 4 x 128. With pairs the producer keeps 40.
+# Triton pads the warps to whole warpgroups and shares the 64K registers among them at launch: the 13 warps of three
+# consumers and a 1-warp producer get 4 warpgroups' worth, 128 per thread; the 17 of four consumers 5 warpgroups'
+# worth, 96 per thread (65536 / 640, down to a multiple of 8). setmaxnreg moves them to the consumers:
+# 3 x 160 + 32 = 4 x 128 and 4 x 112 + 32 = 5 x 96. With pairs the producer keeps 40.
 PACK3_REGS, PACK3_PRODUCER_REGS, PAIR_PRODUCER_REGS = 160, 32, 40
+PACK4_REGS, PACK4_PRODUCER_REGS = 112, 32
 
 
 def _pack(group: int, head_dim: int, table: bool) -> int:
     """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table) and for groups of 6 and 12
-    at d 64 without one, else 2. Pairs would leave one warpgroup idle through every third head's item; three
-    warpgroups read each K/V tile once per group and take turns on the tensor cores: 1.13-1.35x per launch at d 64
-    (24/8 and 9/3 heads, 8K-32K, every index kind) and 1.16-1.26x at d 128 on block top-k, 1.16-1.24x on A-shape
-    (24/8 heads, 8K-32K), H200, benchmarks/RESULTS.md, Runs 22-23. Where pairs idle nowhere, three warpgroups still
-    win at d 64, whose softmax is a larger share of each tile (12/2 heads, 32K: 1.11-1.15x), and lose at d 128 (up
-    to 8% at 8K). In 160 registers a d-128 consumer with a table spills (pairs ran 1.2-1.3x faster than those three
-    warpgroups); one with a window mask keeps 8 values in local memory under triton 3.9's ptxas (none under 3.6's),
-    one L1 load per key tile."""
+    at d 64 without one; at d 64 without one, 4 for the other groups whose last item leaves at most one warpgroup idle
+    (4, 7, 8, 16, ...); else 2. Every warpgroup of an item reads the same K/V tiles, so more of them read each tile
+    once per item, and they take turns on the tensor cores, which hides more of each one's softmax:
+    - three: 1.13-1.35x over pairs at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind), 1.16-1.26x at d 128 on
+      block top-k and 1.16-1.24x on A-shape (24/8 heads, 8K-32K); where pairs idle nowhere, 1.11-1.15x at d 64
+      (12/2 heads, 32K) but up to 8% slower at d 128 (8K);
+    - four (d 64, no table): 1.11-1.25x over pairs on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and
+      28/4 heads, 8K-32K); on groups of 12 within -8% to +4% of three, which keep them.
+    H200, benchmarks/RESULTS.md, Runs 22-24. Four warpgroups have 112 registers (PACK4_REGS), too few for d 128 or a
+    column table (hundreds of spills at d 64); in 160, a d-128 consumer with a table spills too (pairs ran 1.2-1.3x
+    faster than those three warpgroups). One with a window mask keeps a few values in local memory under triton 3.9's
+    ptxas (three warpgroups at d 128: none under 3.6's; four at d 64: a few under 3.6's too), read at item
+    boundaries and, for three, once per key tile."""
+    if head_dim == 64 and not table and group % 3 and -group % 4 <= 1:
+        return 4
     if group % 3:
         return 2
     if group % 2:
@@ -568,7 +570,9 @@ def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_r
         stages = 4 if pack == 3 and head_dim == 128 else 3
     if pack == 2:
         return pack, stages, consumer_regs, PAIR_PRODUCER_REGS
-    return pack, stages, min(consumer_regs, PACK3_REGS), PACK3_PRODUCER_REGS
+    if pack == 3:
+        return pack, stages, min(consumer_regs, PACK3_REGS), PACK3_PRODUCER_REGS
+    return pack, stages, min(consumer_regs, PACK4_REGS), PACK4_PRODUCER_REGS
 
 
 def tma_layout_ok(t: torch.Tensor) -> bool:
@@ -587,8 +591,8 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense [B, H, N, D]
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
-    the Triton kernel), GQA groups of 2 or more, odd ones included (an odd group's last item runs one head, its second
-    warpgroup idle; groups of 3 and 9 run three warpgroups instead, except at d 128 with a column table: _pack)."""
+    the Triton kernel), GQA groups of 2 or more, any size (2, 3 or 4 heads per item by _pack; where that does not
+    divide the group, the last item's spare warpgroups idle)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -620,8 +624,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
     shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
     consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
-    ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill. With three
-    consumer warpgroups (_pack) at most PACK3_REGS."""
+    ptxas of triton 3.9 spills one prologue value of the GROUP 2 kernel, at 216 the table kernels spill. With three or four
+    consumer warpgroups (_pack) at most PACK3_REGS or PACK4_REGS."""
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     batch, q_heads, q_len, head_dim = q.shape
@@ -634,7 +638,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_qb = triton.cdiv(q_len, TILE)
     heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
     idx_heads = kv_heads if heads is None else heads.shape[0]
-    packs = idx_heads * triton.cdiv(group, pack)  # an odd group's last item has one head
+    packs = idx_heads * triton.cdiv(group, pack)  # a group's last item may hold fewer heads
     n_items = batch * packs * n_qb
     if n_items == 0:  # the producer reads its first item's counts before it checks the item against n_items
         return out, lse
