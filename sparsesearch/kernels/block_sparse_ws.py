@@ -553,9 +553,9 @@ def _pack(group: int, head_dim: int, table: bool) -> int:
       28/4 heads, 8K-32K); on groups of 12 within -8% to +4% of three, which keep them.
     H200, benchmarks/RESULTS.md, Runs 22-24. Four warpgroups have 112 registers (PACK4_REGS), too few for d 128 or a
     column table (hundreds of spills at d 64); in 160, a d-128 consumer with a table spills too (pairs ran 1.2-1.3x
-    faster than those three warpgroups). One with a window mask keeps a few values in local memory under triton 3.9's
-    ptxas (three warpgroups at d 128: none under 3.6's; four at d 64: a few under 3.6's too), read at item
-    boundaries and, for three, once per key tile."""
+    faster than those three warpgroups). Under triton 3.9's ptxas, four keep 13-29 values in local memory (none under
+    3.6's, a few with a window mask), read at item boundaries and, with a window mask, twice per key tile; three at
+    d 128 with a window mask keep 8 (none under 3.6's), one L1 load per key tile."""
     if head_dim == 64 and not table and group % 3 and -group % 4 <= 1:
         return 4
     if group % 3:
