@@ -65,8 +65,7 @@ def test_three_or_four_heads_per_item_where_more_warpgroups_win():
     groups = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
     assert [ws._pack(group, 64, False) for group in groups] == [2, 3, 4, 2, 3, 4, 4, 3, 2, 3, 4]
     assert [ws._pack(group, 64, True) for group in (3, 4, 6, 7, 8, 9)] == [3, 2, 2, 2, 2, 3]
-    assert [ws._pack(group, 128, False) for group in (4, 7, 8, 16)] == [2, 2, 2, 2]
-    assert [ws._pack(group, 128, False) for group in (3, 4, 6, 9)] == [3, 2, 2, 3]
+    assert [ws._pack(group, 128, False) for group in (3, 4, 6, 7, 8, 9, 16)] == [3, 2, 2, 2, 2, 3, 2]
     assert [ws._pack(group, 128, True) for group in (3, 9)] == [2, 2]
     assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
