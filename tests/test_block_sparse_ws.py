@@ -43,7 +43,8 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
     assert not ws.ws_shapes_fit(*_plain(dtype=torch.float32))
     assert ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=1))  # an odd GQA group
     assert ws.ws_shapes_fit(*_plain(q_heads=14, kv_heads=2))  # Qwen2-VL-7B's group of 7
-    assert not ws.ws_shapes_fit(*_plain(q_heads=2, kv_heads=2))  # MHA stays with the Triton kernel
+    assert ws.ws_shapes_fit(*_plain(q_heads=2, kv_heads=2))  # MHA: two query blocks per item
+    assert not ws.ws_shapes_fit(*_plain(q_heads=3, kv_heads=2))
     assert not ws.ws_shapes_fit(*_plain(columns=3))
     assert ws.ws_shapes_fit(*_plain(window=50, sink=10))  # A-shape and the triangle's streaming rows
     assert not ws.ws_shapes_fit(q, k, v, dataclasses.replace(index, head_space="query"))
@@ -76,6 +77,14 @@ def test_three_or_four_heads_per_item_where_more_warpgroups_win():
     # per thread for 13 warps, 5 x 96 for 17 (65536 / 640 rounded down to a multiple of 8).
     assert 3 * ws.PACK3_REGS + ws.PACK3_PRODUCER_REGS <= 4 * 128
     assert 4 * ws.PACK4_REGS + ws.PACK4_PRODUCER_REGS <= 5 * 96
+
+
+def test_mha_rings_give_each_warpgroup_two_stages_or_more():
+    """MHA items split the K/V ring between their two warpgroups, each holding its previous tile's stage while it
+    waits for the next: an even ring of at least 4 stages, whatever was asked."""
+    assert [ws._plan(1, 128, False, stages, 224)[:2] for stages in (None, 2, 3, 4)] == [(2, 4)] * 4
+    assert ws._plan(1, 64, True, 5, 224)[1] == 6
+    assert ws._plan(2, 128, False, 2, 224)[1] == 2  # GQA pairs share every stage: 2 is enough
 
 
 def test_shapes_fit_columns_only_through_a_table():
@@ -168,6 +177,8 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
     (128, 4, False, False, 9), (128, 4, False, True, 3),
     # Groups of 4, 7 and 8 at d 64: four warpgroups in 112 registers, Q from shared memory.
     (64, 3, False, False, 4), (64, 3, False, False, 7), (64, 3, False, True, 8),
+    # MHA: two query blocks per item, each warpgroup on its own tiles.
+    (128, 3, False, False, 1), (128, 3, True, True, 1), (64, 3, False, True, 1),
 ])
 def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, window, group):
     # In a child without TRITON_INTERPRET: under the interpreter Gluon's library functions are not compilable.
@@ -230,6 +241,8 @@ CASES = [
     (2, 12, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 6: two items of three
     (2, 16, 2, 200, 200, 64, torch.bfloat16),  # d 64, a group of 8 (two items of four)
     (1, 14, 2, 100, 260, 64, torch.bfloat16),  # d 64, groups of 7: an item of four, one of three, bottom-right
+    (2, 2, 2, 200, 200, 128, torch.bfloat16),  # MHA: items of query blocks 3 and 2, then 1 and 0
+    (1, 3, 3, 130, 190, 64, torch.float16),  # MHA, 3 query blocks: block 0 alone in the last item, bottom-right
 ]
 
 
@@ -249,8 +262,8 @@ def test_matches_oracle_and_the_triton_kernel(case, stages):
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 # Groups of 3 with a window mask: three warpgroups per item (_pack), Q in registers at d 64 and in shared memory at d 128;
-# groups of 4 and 7 at d 64: four.
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[6], CASES[11]],
+# groups of 4 and 7 at d 64: four; MHA.
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[6], CASES[11], CASES[12], CASES[13]],
                          ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
 @pytest.mark.parametrize("window, sink", [(70, 0), (100, 20)])
 def test_window_and_sink_match_oracle_and_the_triton_kernel(case, window, sink):
@@ -290,6 +303,7 @@ VS_CASES = [
     (2, 2, 1, 100, 260, 128, torch.bfloat16, 90, 2, 40, 1),  # bottom-right; one index expanded to the batch
     (1, 6, 2, 300, 300, 64, torch.float16, 100, 4, None, 1),  # a group of 3 at d 64: three warpgroups, Q in smem
     (1, 6, 2, 300, 300, 128, torch.bfloat16, 100, 4, None, 1),  # a group of 3 at d 128: pairs (a table, _pack)
+    (2, 2, 2, 300, 333, 128, torch.bfloat16, 150, 5, None, 1),  # MHA: 5 query blocks, each item's two spans differ
 ]
 
 
@@ -361,24 +375,26 @@ def test_runtime_layout_is_read_and_written_in_place():
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads", "quad_heads"])
+@pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads", "quad_heads",
+                                  "mha_heads", "mha_table"])
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
     odd_heads: groups of 7 under a head map, so single-head items (one warpgroup idling through the ring) sit
     between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
-    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling)."""
-    group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7}.get(kind, 2)
+    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling); mha_*:
+    MHA items of two query blocks whose tiles alternate in the ring, one side empty in some items."""
+    group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7, "mha_heads": 1, "mha_table": 1}.get(kind, 2)
     dim = 64 if kind == "quad_heads" else 128
     q, k, v = qkv(2, 4 * group, 4, 333, 333, dim, torch.bfloat16)
     heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind.endswith("heads") else None
-    if kind == "table":
+    if kind.endswith("table"):
         index = vertical_slash.index_from_lines(vs_lines(2, 4, 333, 333, 70, 3, "kv", reach=40), block_m=64, block_n=64)
     else:
         window = dict(window=90, sink=8) if kind == "window" else {}
         index = random_index(2, 4 if heads is None else 2, 333, 333, 64, 64, density=0.6, head_space="kv",
                              device="cuda", **window)
-    if kind in ("triple_heads", "quad_heads"):  # items with no key tile between full ones: each still frees the item before's Q
+    if kind in ("triple_heads", "quad_heads", "mha_heads"):  # items with no key tile between full ones: each still frees the item before's Q
         index = dataclasses.replace(index, full_count=index.full_count.clone(), partial_count=index.partial_count.clone())
         index.full_count[:, 0, 1:3] = 0
         index.partial_count[:, 0, 1:3] = 0

@@ -8,8 +8,9 @@ else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
 Here one CTA per SM walks work items (PACK heads of one GQA group, fewer in a group's last item when PACK does not
 divide it, x 64 query rows; PACK is 2, 3 or 4 by group, head dim and column table (_pack); with a head map, of the
-KV heads the launch serves, so a layer's pattern groups each take it), heaviest first, each CTA taking its next item from a counter as it frees up (a static round-robin left near-dense 8K
-launches 0.73-0.80 balanced):
+KV heads the launch serves, so a layer's pattern groups each take it; MHA: two query blocks of one head, each
+warpgroup on its own key list through its own half of the K/V ring), heaviest first, each CTA taking its next item
+from a counter as it frees up (a static round-robin left near-dense 8K launches 0.73-0.80 balanced):
 - a 1-warp producer partition issues TMA loads: the next item's Q into the second Q buffer while the current
   item still runs, and the K/V tiles of every item into a STAGES-deep ring, across item boundaries, so the
   first tiles of the next item are in shared memory before the current one's epilogue. It posts each item's
@@ -66,18 +67,28 @@ def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.cons
     run fastest, so they read the same key tiles at about the same time, the later ones from L2 (up to 3.5% faster at 8K,
     the same at 32K-128K: H200, benchmarks/RESULTS.md, Run 24); then query blocks, heaviest (last) first. With a head
     map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
-    PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
-    r = (w % PER_GROUP) * PACK  # the item's first query head within its group
-    rest = w // PER_GROUP
-    m_block = n_qb - 1 - rest % n_qb
-    hb = rest // n_qb  # batch x index row
-    rows = packs_per_batch // PER_GROUP  # index rows per batch
+    if GROUP == 1:
+        # MHA: two query blocks of one head, m_block and m_block - 1 (one warpgroup each: its own rows, its own key
+        # list); "heads" counts them, 1 where block 0 is left alone.
+        n_pairs = (n_qb + 1) // 2
+        m_block = n_qb - 1 - 2 * (w % n_pairs)
+        hb = w // n_pairs
+        rows = packs_per_batch  # index rows per batch
+        r = 0
+        n_heads = gl.minimum(m_block + 1, 2)
+    else:
+        PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
+        r = (w % PER_GROUP) * PACK  # the item's first query head within its group
+        rest = w // PER_GROUP
+        m_block = n_qb - 1 - rest % n_qb
+        hb = rest // n_qb  # batch x index row
+        rows = packs_per_batch // PER_GROUP  # index rows per batch
     idx_h = hb % rows
     if USE_HEAD_MAP:
         kv_h = gl.load(HEAD_MAP + idx_h)
     else:
         kv_h = idx_h
-    return hb // rows, kv_h * GROUP + r, kv_h, idx_h, m_block, gl.minimum(GROUP - r, PACK)
+    return hb // rows, kv_h * GROUP + r, kv_h, idx_h, m_block, n_heads if GROUP == 1 else gl.minimum(GROUP - r, PACK)
 
 
 @gluon.jit
@@ -87,6 +98,7 @@ def _tile(bufs, i, HEAD_DIM: gl.constexpr):
 
 
 NF = gl.constexpr(10)  # fields per item slot: w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean
+NF_MHA = gl.constexpr(14)  # MHA items: then the second query block's n_full, total, n_span, n_clean
 # Posting them, rather than each consumer dividing the item number and loading the counts from global memory after
 # its Q lands, took 4.7% off 32K block top-k 12 with the producer's prefetches (H200, benchmarks/RESULTS.md, Run 20).
 
@@ -104,11 +116,12 @@ def _get(item_smem, i, layout: gl.constexpr):
 
 
 @gluon.jit
-def _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, layout: gl.constexpr):
+def _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, NFS: gl.constexpr,
+               layout: gl.constexpr):
     """Producer: item w and what the consumers need of it (its coordinates, counts and table span) into slot qb of
     the item ring, for them to read once q_ready[qb] completes (the producer's arrive on it releases these stores):
-    no division and no global load on the consumers' side of an item boundary."""
-    base = qb * NF
+    no division and no global load on the consumers' side of an item boundary. NFS: words per slot."""
+    base = qb * NFS
     _put(item_smem, base, w, layout)
     _put(item_smem, base + 1, b, layout)
     _put(item_smem, base + 2, h0, layout)
@@ -122,9 +135,27 @@ def _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, 
 
 
 @gluon.jit
-def _read_item(item_smem, qb, layout: gl.constexpr):
+def _post_second(item_smem, qb, n_full, total, n_span, n_clean, layout: gl.constexpr):
+    """Producer, MHA items: the second query block's counts and table span after the item's fields."""
+    base = qb * NF_MHA + NF
+    _put(item_smem, base, n_full, layout)
+    _put(item_smem, base + 1, total, layout)
+    _put(item_smem, base + 2, n_span, layout)
+    _put(item_smem, base + 3, n_clean, layout)
+
+
+@gluon.jit
+def _read_second(item_smem, qb, layout: gl.constexpr):
+    """Consumer, MHA items: the second query block's (n_full, total, n_span, n_clean)."""
+    base = qb * NF_MHA + NF
+    return (_get(item_smem, base, layout), _get(item_smem, base + 1, layout), _get(item_smem, base + 2, layout),
+            _get(item_smem, base + 3, layout))
+
+
+@gluon.jit
+def _read_item(item_smem, qb, NFS: gl.constexpr, layout: gl.constexpr):
     """Consumer: the fields of slot qb (after waiting on q_ready[qb])."""
-    base = qb * NF
+    base = qb * NFS
     return (_get(item_smem, base, layout), _get(item_smem, base + 1, layout), _get(item_smem, base + 2, layout),
             _get(item_smem, base + 3, layout), _get(item_smem, base + 4, layout), _get(item_smem, base + 5, layout),
             _get(item_smem, base + 6, layout), _get(item_smem, base + 7, layout), _get(item_smem, base + 8, layout),
@@ -150,6 +181,65 @@ def _fetch(w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_
         span = 0
         clean = 0
     return b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean
+
+
+@gluon.jit
+def _fetch_second(b, idx_h, m_block, n_heads, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th,
+                  s_tm, TABLE: gl.constexpr):
+    """Producer, MHA items: the raw counts of query block m_block - 1 (zeros where the item has one block)."""
+    has = n_heads > 1
+    c_off = b * s_cb + idx_h * s_ch + (m_block - 1) * s_cm
+    n_full = gl.load(FULL_CNT + c_off, mask=has, other=0)
+    n_part = gl.load(PART_CNT + c_off, mask=has, other=0)
+    if TABLE:
+        t_off = b * s_tb + idx_h * s_th + (m_block - 1) * s_tm
+        span = gl.load(TAB_SPAN + t_off, mask=has, other=0)
+        clean = gl.load(TAB_CLEAN + t_off, mask=has, other=0)
+    else:
+        span = 0
+        clean = 0
+    return n_full, n_part, span, clean
+
+
+# An MHA item's two query blocks share no key list, so the K/V ring splits in two: warpgroup j's tiles go to stages
+# j, j + 2, ..., each its own ring with its own count (an mbarrier's parity wait needs every phase of a stage seen by
+# its waiter). The producer fills them alternately, the first block's tile first, until the shorter list ends, then
+# the rest of the longer one. Adjacent blocks' lists are about as long, so the two warpgroups keep each other's
+# tensor-core gaps filled as pairs of GQA heads do.
+@gluon.jit
+def _mha_stage(tile, j, STAGES: gl.constexpr):
+    """The stage and phase of warpgroup j's tile'th K/V tile in its half of the ring."""
+    half: gl.constexpr = STAGES // 2
+    return j + 2 * (tile % half), (tile // half) & 1
+
+
+@gluon.jit
+def _landed(kv_ready, tile, HEAD: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+    """Consumer: wait for this warpgroup's tile'th K/V tile to land; its stage."""
+    if GROUP == 1:
+        s, phase = _mha_stage(tile, HEAD, STAGES)
+        mbarrier.wait(kv_ready.index(s), phase)
+    else:
+        s = tile % STAGES
+        mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
+    return s
+
+
+@gluon.jit
+def _mha_tile(t, both, n_t1_longer):
+    """Stream position t -> (block 0 or 1, its tile): alternate below 2 * both, then the longer block's rest."""
+    alternate = t < 2 * both
+    return gl.where(alternate, t % 2, n_t1_longer), gl.where(alternate, t // 2, t - both)
+
+
+@gluon.jit
+def _mha_block_id(t, both, n_t1_longer, n_full, total, n_full1, total1, f_base, p_base, s_fm, s_pm):
+    """Key block at stream position t of an MHA item (0 past its lists); block 1's lists are one query block
+    before block 0's."""
+    j, i = _mha_tile(t, both, n_t1_longer)
+    first = j == 0
+    return _block_id(i, gl.where(first, n_full, n_full1), gl.where(first, total, total1), f_base - j * s_fm,
+                     p_base - j * s_pm)
 
 
 @gluon.jit
@@ -229,8 +319,9 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
     """Hands out the CTA's items and streams their Q and K/V tiles. The first item is the CTA's own index; each
     next one is a ticket from ITEM_CTR, so CTAs that drew light items take more of them (heaviest first, the tail
     is the lightest): a static round-robin left the SMs 0.73-0.80 balanced on near-dense 8K launches (16 items
-    each, costs 1-66 tiles)."""
+    each, costs 1-66 tiles). MHA items (GROUP 1) are two query blocks of one head; their tiles alternate."""
     one_warp: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
+    NFS: gl.constexpr = NF_MHA if GROUP == 1 else NF
     step = gl.num_programs(0)
     tile = 0
     it = 0
@@ -238,6 +329,10 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
     b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean = _fetch(
         w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
         s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
+    if GROUP == 1:
+        n_full1, n_part1, span1, clean1 = _fetch_second(b, idx_h, m_block, n_heads, FULL_CNT, PART_CNT, TAB_SPAN,
+                                                        TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th, s_tm, TABLE)
+        tile1 = 0  # tile counts 0 and 1: each warpgroup's own half of the ring
     while w < n_items:
         qb = it % 2
         # Q buffer qb (and item slot qb) was last read by item it - 2: wait for the consumers to release it.
@@ -249,7 +344,20 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
         else:
             n_span = 0
             n_clean = 0
-        _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, one_warp)
+        _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, NFS, one_warp)
+        if GROUP == 1:
+            total1 = n_full1 + n_part1
+            if TABLE:
+                n_span1 = gl.minimum(span1, n_slots)
+                n_clean1 = gl.minimum(clean1, n_span1)
+            else:
+                n_span1 = 0
+                n_clean1 = 0
+            _post_second(item_smem, qb, n_full1, total1, n_span1, n_clean1, one_warp)
+            n_t0 = total + gl.cdiv(n_span, BLOCK)
+            n_t1 = total1 + gl.cdiv(n_span1, BLOCK)
+            both = gl.minimum(n_t0, n_t1)
+            n_t1_longer = (n_t1 > n_t0).to(gl.int32)
         if GROUP % PACK == 0:
             mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         else:
@@ -258,39 +366,74 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
             for r in gl.static_range(1, PACK + 1):
                 mbarrier.expect(q_ready.index(qb), r * q_desc.block_type.nbytes, pred=n_heads == r)
         for p in gl.static_range(PACK):
-            _tma_load(q_desc, [b, h0 + p, m_block * BLOCK, 0], q_ready.index(qb), q_smem.index(qb * PACK + p),
-                      pred=p < n_heads)
+            has = p < n_heads
+            if GROUP == 1:
+                q_at = [b, h0, (m_block - p) * BLOCK, 0]  # MHA: warpgroup p's query block
+            else:
+                q_at = [b, h0 + p, m_block * BLOCK, 0]
+            _tma_load(q_desc, q_at, q_ready.index(qb), q_smem.index(qb * PACK + p), pred=has)
         f_base = FULL_IDX + b * s_fb + idx_h * s_fh + m_block * s_fm
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
-        blk = _block_id(0, n_full, total, f_base, p_base)
+        if GROUP == 1:
+            blk = _mha_block_id(0, both, n_t1_longer, n_full, total, n_full1, total1, f_base, p_base, s_fm, s_pm)
+        else:
+            blk = _block_id(0, n_full, total, f_base, p_base)
         # The next ticket and its counts: the atomic's result is used at once (the warp shares it by a shuffle),
         # so it is taken here, where its round trip overlaps the first block id's load and the wait for the ring.
         nxt = step + gl.atomic_add(ITEM_CTR, 1, sem="relaxed")
         nb, nh0, nkv_h, nidx_h, nm_block, nn_heads, nn_full, nn_part, nspan, nclean = _fetch(
             nxt, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
             s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
-        for t in range(total + gl.cdiv(n_span, BLOCK)):
-            s = tile % STAGES
-            mbarrier.wait(kv_empty.index(s), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
+        if GROUP == 1:
+            nn_full1, nn_part1, nspan1, nclean1 = _fetch_second(nb, nidx_h, nm_block, nn_heads, FULL_CNT, PART_CNT,
+                                                                TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th,
+                                                                s_tm, TABLE)
+        if GROUP == 1:
+            n_stream = n_t0 + n_t1
+        else:
+            n_stream = total + gl.cdiv(n_span, BLOCK)
+        for t in range(n_stream):
+            if GROUP == 1:
+                j, i = _mha_tile(t, both, n_t1_longer)
+                listed = gl.where(j == 0, total, total1)
+                count = gl.where(j == 0, tile, tile1)  # the tiles block j's warpgroup has had so far
+                s, phase = _mha_stage(count, j, STAGES)
+                mbarrier.wait(kv_empty.index(s), phase ^ 1, pred=count >= STAGES // 2)
+            else:
+                i = t
+                listed = total
+                s = tile % STAGES
+                mbarrier.wait(kv_empty.index(s), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
             bar = kv_ready.index(s)
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
-            if t < total:
+            if i < listed:
                 _tma_load(k_desc, [b, kv_h, blk * BLOCK, 0], bar, k_smem.index(s))
                 _tma_load(v_desc, [b, kv_h, blk * BLOCK, 0], bar, v_smem.index(s))
             else:
-                # The index row's slab ([B, Hs, V, D]): slots (t - total) * 64 on.
-                _tma_load(kc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, k_smem.index(s))
-                _tma_load(vc_desc, [b, idx_h, (t - total) * BLOCK, 0], bar, v_smem.index(s))
-            blk = _block_id(t + 1, n_full, total, f_base, p_base)  # in flight through the next ring wait
-            tile += 1
+                # The index row's slab ([B, Hs, V, D]): slots (i - listed) * 64 on.
+                _tma_load(kc_desc, [b, idx_h, (i - listed) * BLOCK, 0], bar, k_smem.index(s))
+                _tma_load(vc_desc, [b, idx_h, (i - listed) * BLOCK, 0], bar, v_smem.index(s))
+            # The next tile's block id, in flight through the next ring wait.
+            if GROUP == 1:
+                blk = _mha_block_id(t + 1, both, n_t1_longer, n_full, total, n_full1, total1, f_base, p_base, s_fm,
+                                    s_pm)
+            else:
+                blk = _block_id(t + 1, n_full, total, f_base, p_base)
+            if GROUP == 1:
+                tile += 1 - j
+                tile1 += j
+            else:
+                tile += 1
         w = nxt
         b, h0, kv_h, idx_h, m_block, n_heads = nb, nh0, nkv_h, nidx_h, nm_block, nn_heads
         n_full, n_part, span, clean = nn_full, nn_part, nspan, nclean
+        if GROUP == 1:
+            n_full1, n_part1, span1, clean1 = nn_full1, nn_part1, nspan1, nclean1
         it += 1
     # The end: an item past the last, with no Q behind it.
     qb = it % 2
     mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
-    _post_item(item_smem, qb, w, 0, 0, 0, 0, 0, 0, 0, 0, 0, one_warp)
+    _post_item(item_smem, qb, w, 0, 0, 0, 0, 0, 0, 0, 0, 0, NFS, one_warp)
     mbarrier.arrive(q_ready.index(qb), count=1)
 
 
@@ -331,7 +474,8 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
               s_pb, s_ph, s_pm, s_ib, s_ih, s_wb, s_wh, s_wm):
     """One warpgroup: head h0 + HEAD of every item, its 64 rows, against the row's key tiles. The heads'
     warpgroups run unsynchronised, so one's softmax overlaps the other's tensor-core work (FlashAttention-3's
-    explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K)."""
+    explicit ping-pong between them, mbarrier turns around each GEMM issue, ran 2-3% slower here: H200, 8K-128K).
+    MHA (GROUP 1): query block m_block - HEAD of head h0, on its own tiles of the item's alternating stream."""
     # Three warpgroups have 160 registers each (PACK3_REGS), four 112 (PACK4_REGS): a consumer of four, or of three at
     # d 128 or with a column table, spills with Q in registers, so it reads Q from shared memory until the item's last QK.
     Q_IN_SMEM: gl.constexpr = PACK == 4 or (PACK == 3 and (HEAD_DIM == 128 or TABLE))
@@ -348,12 +492,22 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
     offs_c = gl.arange(0, BLOCK, layout=col_s)
     zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)
     one_wg: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    NFS: gl.constexpr = NF_MHA if GROUP == 1 else NF
     tile = 0
     it = 0
     mbarrier.wait(q_ready.index(0), 0)
-    w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, 0, one_wg)
+    w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, 0, NFS, one_wg)
+    if GROUP == 1:
+        n_full1, total1, n_span1, n_clean1 = _read_second(item_smem, 0, one_wg)
     while w < n_items:
-        h = h0 + HEAD
+        if GROUP == 1:
+            # This warpgroup's query block and its counts.
+            if HEAD == 1:
+                m_block = m_block - 1
+                n_full, total, n_span, n_clean = n_full1, total1, n_span1, n_clean1
+            h = h0
+        else:
+            h = h0 + HEAD
         if GROUP % PACK == 0:
             active = True
         else:
@@ -382,7 +536,8 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
         n_tiles = total + gl.cdiv(n_span, BLOCK)
         if not active:
             # Nothing to compute, but the ring's stages are released by every warpgroup (kv_empty counts PACK
-            # arrivals); each is waited for first, so this warpgroup never runs a phase ahead of the loads.
+            # arrivals); each is waited for first, so this warpgroup never runs a phase ahead of the loads. (An MHA
+            # item's missing block has no tiles.)
             for t in range(n_tiles):
                 s = tile % STAGES
                 mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
@@ -393,8 +548,7 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
             # The source waits for PV after the softmax (FlashAttention-3's intra-warpgroup overlap), but ptxas moves
             # that wait to the top of the softmax, so the two warpgroups take turns on the tensor cores instead; a
             # block boundary that pins the wait after the softmax ran 0.5-3% slower (benchmarks/RESULTS.md, Run 21).
-            s = tile % STAGES
-            mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
+            s = _landed(kv_ready, tile, HEAD, STAGES, GROUP)
             qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if O_IN_Q:
                 _release_previous_q(q_empty, it)  # under the first QK
@@ -409,8 +563,7 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
             s_prev = s
             tile += 1
             for t in range(1, n_tiles):
-                s = tile % STAGES
-                mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
+                s = _landed(kv_ready, tile, HEAD, STAGES, GROUP)
                 qk = warpgroup_mma(q, _tile(k_smem, s, HEAD_DIM).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 pv = warpgroup_mma(p_op, _tile(v_smem, s_prev, HEAD_DIM), acc, is_async=True)
                 # Groups retire in order: the scores, not yet PV. Q in registers is named, so they stay Q's meanwhile.
@@ -447,7 +600,9 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
         it += 1
         # The next item (or the end) and its Q.
         mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
-        w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, it % 2, one_wg)
+        w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean = _read_item(item_smem, it % 2, NFS, one_wg)
+        if GROUP == 1:
+            n_full1, total1, n_span1, n_clean1 = _read_second(item_smem, it % 2, one_wg)
     tma.store_wait(0)
 
 
@@ -482,18 +637,20 @@ def _block_sparse_ws_fwd(q_desc, k_desc, v_desc, o_desc, kc_desc, vc_desc, LSE, 
     else:
         o_smem = gl.allocate_shared_memory(dtype, [PACK] + o_desc.block_type.shape, o_desc.layout)
     # Each Q buffer's item (a scheduler's ticket) and its fields, written by the producer before it arrives on q_ready.
-    item_smem = gl.allocate_shared_memory(gl.int32, [2 * NF, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    NFS: gl.constexpr = NF_MHA if GROUP == 1 else NF
+    item_smem = gl.allocate_shared_memory(gl.int32, [2 * NFS, 1, 1], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # Every consumer warpgroup releases each Q buffer and K/V stage once.
+    # Every consumer warpgroup releases each Q buffer once, and each K/V stage once, or with MHA items (GROUP 1) the
+    # warpgroup whose block the stage holds.
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=PACK)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=PACK)
+        mbarrier.init(kv_empty.index(i), count=1 if GROUP == 1 else PACK)
     # Each partition's arguments: its constexprs in a literal, then the shared rest. A tuple assigned in the kernel
     # turns constexprs into tensors, and a tuple sum unwraps those of its right-hand side, not of its left.
     cargs = (o_desc, q_smem, k_smem, v_smem, o_smem, item_smem, q_ready, q_empty, kv_ready, kv_empty, LSE, PART_IDX,
@@ -568,10 +725,14 @@ def _pack(group: int, head_dim: int, table: bool) -> int:
 def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
     """(heads per item, ring stages, consumer and producer registers per thread) for a launch with or without a
     column table; ``stages`` None for the default: 3, or 4 for three d-128 warpgroups, whose O leaves through their Q
-    buffers (_block_sparse_ws_fwd), which leaves room for a 4-stage ring."""
+    buffers (_block_sparse_ws_fwd), which leaves room for a 4-stage ring, and for MHA, whose warpgroups each have
+    half of the ring (_mha_stage): at least 4, even, because a consumer holds its previous tile's stage while it waits
+    for the next one (with one stage each, both would wait forever)."""
     pack = _pack(group, head_dim, table)
     if stages is None:
-        stages = 4 if pack == 3 and head_dim == 128 else 3
+        stages = 4 if (pack == 3 and head_dim == 128) or group == 1 else 3
+    if group == 1:
+        stages = max(4, stages + stages % 2)
     if pack == 2:
         return pack, stages, consumer_regs, PAIR_PRODUCER_REGS
     if pack == 3:
@@ -595,8 +756,8 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     """Whether this kernel can run the launch (on a Hopper GPU, which the caller checks): dense [B, H, N, D]
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
-    the Triton kernel), GQA groups of 2 or more, any size (2, 3 or 4 heads per item by _pack; where that does not
-    divide the group, the last item's spare warpgroups idle)."""
+    the Triton kernel), GQA groups of any size (2, 3 or 4 heads per item by _pack; where that does not divide the
+    group, the last item's spare warpgroups idle) and MHA (two query blocks of a head per item)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -608,9 +769,7 @@ def ws_shapes_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Bloc
         return False
     if index.col_count is not None and (index.col_table is None or not table):
         return False
-    # MHA stays with the Triton kernel: every item would leave one warpgroup idle, and triton 3.6 (the GPU hosts')
-    # fails an assertion compiling the kernel once GROUP 1 folds that warpgroup down to its idle loop.
-    return q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] >= 2
+    return q.shape[1] % k.shape[1] == 0
 
 
 def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockIndex, *,
@@ -622,7 +781,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     caller has checked the index and the head map (block_sparse.check_index).
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
     are left untouched), or None for all of them.
-    stages: K/V ring depth, None for _plan's (3; 4 for three d-128 warpgroups). H200, 32K, block top-k: one block
+    stages: K/V ring depth, None for _plan's (3; 4 for three d-128 warpgroups and for MHA, where it is at least 4 and
+    even: _plan). H200, 32K, block top-k: one block
     per tile x 3 stages ran 4-10% faster than two blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md,
     Run 15).
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
@@ -643,7 +803,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
     idx_heads = kv_heads if heads is None else heads.shape[0]
     packs = idx_heads * triton.cdiv(group, pack)  # a group's last item may hold fewer heads
-    n_items = batch * packs * n_qb
+    n_items = batch * packs * (triton.cdiv(n_qb, 2) if group == 1 else n_qb)  # MHA: two query blocks per item
     if n_items == 0:  # the producer reads its first item's counts before it checks the item against n_items
         return out, lse
     grid = (min(n_items, programs or _sm_count(q.device)),)
