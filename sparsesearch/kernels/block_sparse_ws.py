@@ -388,7 +388,6 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
             nn_full1, nn_part1, nspan1, nclean1 = _fetch_second(nb, nidx_h, nm_block, nn_heads, FULL_CNT, PART_CNT,
                                                                 TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th,
                                                                 s_tm, TABLE)
-        if GROUP == 1:
             n_stream = n_t0 + n_t1
         else:
             n_stream = total + gl.cdiv(n_span, BLOCK)
