@@ -57,22 +57,22 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
 
 
 def test_three_or_four_heads_per_item_where_more_warpgroups_win():
-    """Three for groups divisible by 3, except even ones at d 128 (slower) or with a column table (not measured) and
-    groups of 3 and 9 at d 128 with a table, whose consumers spill in a third warpgroup's registers. Four at d 64
-    without a table where the last item leaves at most one warpgroup idle (groups of 12 keep three: equal); never at
-    d 128 or with a table, whose consumers spill in a fourth warpgroup's registers. Pairs elsewhere: groups of 2, 5
-    and 10, every d-128 group not divisible by 3. The producer gives up registers for three or four warpgroups; at
-    d 128 three have their O leave through Q's buffers, so their ring has 4 stages."""
+    """Three for groups of 3 and 9, and at d 64 for groups of 6 and 12 (even ones at d 128 ran slower). Four at d 64
+    where the last item leaves at most one warpgroup idle, or with a column table none (groups of 7 keep pairs
+    there; groups of 12 keep three: equal); never at d 128, whose consumers spill in a fourth warpgroup's registers.
+    Pairs elsewhere: groups of 2, 5 and 10, every d-128 group not divisible by 3. The producer gives up registers for
+    three or four warpgroups; at d 128 three have their O leave through Q's buffers, so their ring has 4 stages."""
     groups = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
     assert [ws._pack(group, 64, False) for group in groups] == [2, 3, 4, 2, 3, 4, 4, 3, 2, 3, 4]
-    assert [ws._pack(group, 64, True) for group in (3, 4, 6, 7, 8, 9)] == [3, 2, 2, 2, 2, 3]
-    assert [ws._pack(group, 128, False) for group in (3, 4, 6, 7, 8, 9, 16)] == [3, 2, 2, 2, 2, 3, 2]
-    assert [ws._pack(group, 128, True) for group in (3, 9)] == [2, 2]
+    assert [ws._pack(group, 64, True) for group in groups] == [2, 3, 4, 2, 3, 2, 4, 3, 2, 3, 4]
+    assert [ws._pack(group, 128, table) for group in (3, 4, 6, 7, 8, 9, 16) for table in (False, True)] \
+        == [3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 2, 2]
     assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
-    assert ws._plan(3, 128, True, None, 224) == (2, 3, 224, ws.PAIR_PRODUCER_REGS)
+    assert ws._plan(3, 128, True, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(9, 128, False, 2, 224)[1] == 2  # a given ring depth is kept
     assert ws._plan(8, 64, False, None, 224) == (4, 3, ws.PACK4_REGS, ws.PACK4_PRODUCER_REGS)
+    assert ws._plan(4, 64, True, None, 224) == (4, 3, ws.PACK4_REGS, ws.PACK4_PRODUCER_REGS)
     # The consumers' and the producer's registers fill what Triton launches the padded warpgroups with: 4 x 128
     # per thread for 13 warps, 5 x 96 for 17 (65536 / 640 rounded down to a multiple of 8).
     assert 3 * ws.PACK3_REGS + ws.PACK3_PRODUCER_REGS <= 4 * 128
@@ -171,12 +171,13 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
 
 @pytest.mark.parametrize("head_dim,stages,table,window,group", [
     (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
-    (128, 3, False, False, 7), (128, 3, True, True, 3),  # odd groups: a warpgroup idles through single-head items
+    (128, 3, False, False, 7), (64, 3, True, False, 7),  # odd groups: a warpgroup idles through single-head items
     # Groups of 3, 6 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
     (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 6), (128, 3, False, False, 3),
-    (128, 4, False, False, 9), (128, 4, False, True, 3),
+    (128, 4, False, False, 9), (128, 4, False, True, 3), (128, 4, True, False, 3), (128, 3, True, True, 3),
     # Groups of 4, 7 and 8 at d 64: four warpgroups in 112 registers, Q from shared memory.
-    (64, 3, False, False, 4), (64, 3, False, False, 7), (64, 3, False, True, 8),
+    (64, 3, False, False, 4), (64, 3, False, False, 7), (64, 3, False, True, 8), (64, 3, True, False, 4),
+    (64, 3, True, True, 8),
     # MHA: two query blocks per item, each warpgroup on its own tiles.
     (128, 3, False, False, 1), (128, 3, True, True, 1), (64, 3, False, True, 1),
 ])
@@ -192,16 +193,19 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
     assert report["shared"] <= 232448, report  # H100/H200: 227 KiB of shared memory per block
     assert report["wgmma.mma_async"] and report["cp.async.bulk.tensor"] and report["setmaxnreg"], report
     pack = ws._pack(group, head_dim, table)
-    if (head_dim, table, window, pack) == (128, False, True, 3):
-        # ptxas 13 (triton 3.9) keeps 8 values of this kernel in local memory: 8 stores in the prologue, a few loads
-        # per item and one L1 load per key tile (none under the 12.x ptxas of triton 3.6, the GPU hosts'). A bound,
-        # so that a change which spills in earnest fails here.
-        assert report["spills"] <= 48, report
-    elif pack == 4:
-        # Four consumers in 112 registers: ptxas 13 keeps 13-29 values in local memory (49-93 spill instructions),
-        # loaded at item boundaries and, with a window mask, twice per key tile; ptxas 12.8 none, or 7 instructions
-        # with a window. A column table would take hundreds (_pack keeps pairs there).
-        assert report["spills"] <= 100, report
+    # Bounds on local-memory instructions where Triton 3.9's ptxas (13.4) spills, so that a change which spills in
+    # earnest fails here. 3.6's (12.8, the GPU hosts') spills 7 for four with a window and 5-42 for the table kernels
+    # (none elsewhere), and on
+    # an H200 the table kernels built by 13.4 still ran 1.06-1.19x the pairs (benchmarks/RESULTS.md, Run 26).
+    if pack == 4:
+        # Four consumers in 112 registers: 13-29 values kept in local memory (49-93 instructions), loaded at item
+        # boundaries and, with a window mask, twice per key tile. With a table 288-421, about a dozen loads per key
+        # tile.
+        assert report["spills"] <= (440 if table else 100), report
+    elif pack == 3 and head_dim == 128 and (table or window):
+        # Three d-128 consumers in 160 registers: with a window mask 8 values (8 stores in the prologue, one L1 load
+        # per key tile); with a table 134-193 instructions, 9 loads per key tile.
+        assert report["spills"] <= (200 if table else 48), report
     else:
         assert report["spills"] == 0, "a partition spills registers"
     # Q and P both reach the tensor cores from registers: with 64-key tiles, a QK reading Q from shared memory too
@@ -302,7 +306,11 @@ VS_CASES = [
     (1, 8, 2, 450, 450, 128, torch.bfloat16, 200, 7, None, 1),  # far slashes break the runs: masked slot tiles
     (2, 2, 1, 100, 260, 128, torch.bfloat16, 90, 2, 40, 1),  # bottom-right; one index expanded to the batch
     (1, 6, 2, 300, 300, 64, torch.float16, 100, 4, None, 1),  # a group of 3 at d 64: three warpgroups, Q in smem
-    (1, 6, 2, 300, 300, 128, torch.bfloat16, 100, 4, None, 1),  # a group of 3 at d 128: pairs (a table, _pack)
+    (1, 6, 2, 300, 300, 128, torch.bfloat16, 100, 4, None, 1),  # a group of 3 at d 128: three, O through Q
+    (1, 8, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # a group of 4 at d 64: four warpgroups
+    (2, 16, 2, 100, 260, 64, torch.float16, 90, 3, 40, 1),  # a group of 8 at d 64: two items of four, bottom-right
+    (1, 14, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # groups of 7 at d 64: pairs with a table
+    (1, 12, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # a group of 6 at d 64: two items of three
     (2, 2, 2, 300, 333, 128, torch.bfloat16, 150, 5, None, 1),  # MHA: 5 query blocks, each item's two spans differ
 ]
 
@@ -376,16 +384,18 @@ def test_runtime_layout_is_read_and_written_in_place():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("kind", ["blocks", "window", "table", "heads", "odd_heads", "triple_heads", "quad_heads",
-                                  "mha_heads", "mha_table"])
+                                  "triple_table", "quad_table", "mha_heads", "mha_table"])
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
     odd_heads: groups of 7 under a head map, so single-head items (one warpgroup idling through the ring) sit
     between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
-    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling); mha_*:
+    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling);
+    triple_table / quad_table: a column table read by three warpgroups (d 128) and four (groups of 4 at d 64); mha_*:
     MHA items of two query blocks whose tiles alternate in the ring, one side empty in some items."""
-    group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7, "mha_heads": 1, "mha_table": 1}.get(kind, 2)
-    dim = 64 if kind == "quad_heads" else 128
+    group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7, "triple_table": 3, "quad_table": 4, "mha_heads": 1,
+             "mha_table": 1}.get(kind, 2)
+    dim = 64 if kind.startswith("quad") else 128
     q, k, v = qkv(2, 4 * group, 4, 333, 333, dim, torch.bfloat16)
     heads = torch.tensor([3, 1], dtype=torch.int32, device="cuda") if kind.endswith("heads") else None
     if kind.endswith("table"):

@@ -269,12 +269,17 @@ def _scores(qk, t, n_full, total, p_base, pos, offs_c, kv_len, window, sink, n_c
         elif TABLE:
             start = (t - total) * BLOCK
             if start + BLOCK > n_clean:
+                # The tile's slots are bits of two words (start is a multiple of 64): two loads for the whole
+                # warpgroup, not one per column.
                 slots = start + offs_c
-                in_span = slots < n_span
-                words = gl.load(bits_base + slots // 32, mask=in_span, other=0)
-                used = in_span & (((words >> (slots % 32)) & 1) != 0)
-                ids = gl.load(ids_base + slots, mask=used, other=0)
-                qk = gl.where(used[None, :] & (ids[None, :] <= pos[:, None]), qk, float("-inf"))
+                w0 = gl.load(bits_base + start // 32, mask=start < n_span, other=0)
+                w1 = gl.load(bits_base + start // 32 + 1, mask=start + 32 < n_span, other=0)
+                used = (((gl.where(offs_c < 32, w0, w1) >> (offs_c % 32)) & 1) != 0) & (slots < n_span)
+                # An unused slot's id reads as the largest int32, past every row's position: one test per score,
+                # and the bits die before the scores are masked. Testing used and causality per score kept both
+                # live with the ids, which spilled three d-128 warpgroups' registers inside the tile loop.
+                ids = gl.load(ids_base + slots, mask=used, other=2147483647)
+                qk = gl.where(ids[None, :] <= pos[:, None], qk, float("-inf"))
     return qk
 
 
@@ -698,27 +703,29 @@ PACK4_REGS, PACK4_PRODUCER_REGS = 112, 32
 
 
 def _pack(group: int, head_dim: int, table: bool) -> int:
-    """Heads per work item: 3 for groups of 3 and 9 (at d 128 only without a column table) and for groups of 6 and 12
-    at d 64 without one; at d 64 without one, 4 for the other groups whose last item leaves at most one warpgroup idle
-    (4, 7, 8, 16, ...); else 2. Every warpgroup of an item reads the same K/V tiles, so more of them read each tile
+    """Heads per work item: 3 for groups of 3 and 9, and at d 64 for groups of 6 and 12; at d 64, 4 for the other
+    groups whose last item leaves at most one warpgroup idle (4, 7, 8, 16, ...), with a column table only where none
+    idles (4, 8, 16); else 2. Every warpgroup of an item reads the same K/V tiles, so more of them read each tile
     once per item, and they take turns on the tensor cores, which hides more of each one's softmax:
     - three: 1.13-1.35x over pairs at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind), 1.16-1.26x at d 128 on
       block top-k and 1.16-1.24x on A-shape (24/8 heads, 8K-32K); where pairs idle nowhere, 1.11-1.15x at d 64
       (12/2 heads, 32K) but up to 8% slower at d 128 (8K);
-    - four (d 64, no table): 1.11-1.25x over pairs on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and
-      28/4 heads, 8K-32K); on groups of 12 within -8% to +4% of three, which keep them.
-    H200, benchmarks/RESULTS.md, Runs 22-24. Four warpgroups have 112 registers (PACK4_REGS), too few for d 128 or a
-    column table (hundreds of spills at d 64); in 160, a d-128 consumer with a table spills too (pairs ran 1.2-1.3x
-    faster than those three warpgroups). Under triton 3.9's ptxas, four keep 13-29 values in local memory (none under
-    3.6's, a few with a window mask), read at item boundaries and, with a window mask, twice per key tile; three at
-    d 128 with a window mask keep 8 (none under 3.6's), one L1 load per key tile."""
-    if head_dim == 64 and not table and group % 3 and -group % 4 <= 1:
+    - four (d 64): 1.11-1.25x over pairs on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and 28/4 heads,
+      8K-32K); on groups of 12 within -8% to +4% of three, which keep them;
+    - with a column table (vertical-slash): three 1.13-1.24x at d 128 (24/8 heads) and 1.03-1.08x (27/3); at d 64,
+      three 0.97-1.08x of the pairs on 12/2 heads (slower at 8K only), four 1.01-1.15x on 32/8 and 32/4, but on
+      28/4 (an item of three) 0.94-1.08x, so groups of 7 keep pairs there.
+    H200, benchmarks/RESULTS.md, Runs 22-24 and 26. Four warpgroups have 112 registers (PACK4_REGS), too few for
+    d 128. Under triton 3.9's ptxas, four keep 13-29 values in local memory (none under 3.6's, a few with a window
+    mask), read at item boundaries and, with a window mask, twice per key tile; three at d 128 with a window mask
+    keep 8 (none under 3.6's), one L1 load per key tile."""
+    if head_dim == 64 and group % 3 and (group % 4 == 0 if table else -group % 4 <= 1):
         return 4
     if group % 3:
         return 2
     if group % 2:
-        return 3 if head_dim == 64 or not table else 2
-    return 3 if head_dim == 64 and not table else 2  # even groups: measured at d 64 without a table only
+        return 3  # groups of 3 and 9
+    return 3 if head_dim == 64 else 2  # even groups (6, 12): slower at d 128; with a table measured on 6 only
 
 
 def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
