@@ -57,16 +57,18 @@ def test_shapes_fit_the_plain_kv_space_launch_only():
 
 
 def test_three_or_four_heads_per_item_where_more_warpgroups_win():
-    """Three for groups of 3 and 9, and at d 64 for groups of 6 and 12 (even ones at d 128 ran slower). Four at d 64
-    where the last item leaves at most one warpgroup idle, or with a column table none (groups of 7 keep pairs
-    there; groups of 12 keep three: equal); never at d 128, whose consumers spill in a fourth warpgroup's registers.
-    Pairs elsewhere: groups of 2, 5 and 10, every d-128 group not divisible by 3. The producer gives up registers for
-    three or four warpgroups; at d 128 three have their O leave through Q's buffers, so their ring has 4 stages."""
+    """Three for groups of 3 and 9, at d 64 for groups of 6 and 12 (even ones at d 128 ran slower), for groups of 5
+    and 7 at d 128 without a column table and of 7 at d 64 with one. Four at d 64 where the items leave at most one
+    warpgroup idle, or with a table none (groups of 12 keep three: equal); never at d 128, whose consumers spill in a
+    fourth warpgroup's registers. Pairs elsewhere: groups of 2 and 10, every other d-128 group not divisible by 3.
+    The producer gives up registers for three or four warpgroups; at d 128 three have their O leave through Q's
+    buffers, so their ring has 4 stages."""
     groups = (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16)
     assert [ws._pack(group, 64, False) for group in groups] == [2, 3, 4, 2, 3, 4, 4, 3, 2, 3, 4]
-    assert [ws._pack(group, 64, True) for group in groups] == [2, 3, 4, 2, 3, 2, 4, 3, 2, 3, 4]
-    assert [ws._pack(group, 128, table) for group in (3, 4, 6, 7, 8, 9, 16) for table in (False, True)] \
-        == [3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 2, 2]
+    assert [ws._pack(group, 64, True) for group in groups] == [2, 3, 4, 2, 3, 3, 4, 3, 2, 3, 4]
+    assert [ws._pack(group, 128, table) for group in (3, 4, 5, 6, 7, 8, 9, 16) for table in (False, True)] \
+        == [3, 3, 2, 2, 3, 2, 2, 2, 3, 2, 2, 2, 3, 3, 2, 2]
+    assert ws._plan(7, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 128, False, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 64, True, None, 224) == (3, 3, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
     assert ws._plan(3, 128, True, None, 224) == (3, 4, ws.PACK3_REGS, ws.PACK3_PRODUCER_REGS)
@@ -171,7 +173,8 @@ def _ptxas_wgmma_notes(ptx: str) -> list[str] | None:
 
 @pytest.mark.parametrize("head_dim,stages,table,window,group", [
     (128, 3, False, False, 2), (128, 3, True, True, 2), (64, 3, True, False, 2), (128, 4, False, True, 2),
-    (128, 3, False, False, 7), (64, 3, True, False, 7),  # odd groups: a warpgroup idles through single-head items
+    (128, 3, True, True, 7), (128, 3, False, True, 5),  # odd groups: a warpgroup idles through the smaller items
+    (128, 3, False, False, 7), (64, 3, True, False, 7),
     # Groups of 3, 6 and 9: three warpgroups in 160 registers, Q from shared memory at d 128 or with a table.
     (64, 3, True, True, 3), (64, 3, False, False, 9), (64, 3, False, True, 6), (128, 3, False, False, 3),
     (128, 4, False, False, 9), (128, 4, False, True, 3), (128, 4, True, False, 3), (128, 3, True, True, 3),
@@ -202,9 +205,10 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
         # boundaries and, with a window mask, twice per key tile. With a table 288-421, about a dozen loads per key
         # tile.
         assert report["spills"] <= (440 if table else 100), report
-    elif pack == 3 and head_dim == 128 and (table or window):
-        # Three d-128 consumers in 160 registers: with a window mask 8 values (8 stores in the prologue, one L1 load
-        # per key tile); with a table 134-193 instructions, 9 loads per key tile.
+    elif pack == 3 and head_dim == 128 and (table or window or group % 3):
+        # Three d-128 consumers in 160 registers: with a window mask, or items that idle a warpgroup (groups of 5
+        # and 7), 8-9 values (stores in the prologue, one L1 load per key tile); with a table 134-193 instructions,
+        # 9 loads per key tile.
         assert report["spills"] <= (200 if table else 48), report
     else:
         assert report["spills"] == 0, "a partition spills registers"
@@ -247,6 +251,8 @@ CASES = [
     (1, 14, 2, 100, 260, 64, torch.bfloat16),  # d 64, groups of 7: an item of four, one of three, bottom-right
     (2, 2, 2, 200, 200, 128, torch.bfloat16),  # MHA: items of query blocks 3 and 2, then 1 and 0
     (1, 3, 3, 130, 190, 64, torch.float16),  # MHA, 3 query blocks: block 0 alone in the last item, bottom-right
+    (1, 14, 2, 130, 190, 128, torch.bfloat16),  # d 128, groups of 7 in threes (3 + 2 + 2), bottom-right
+    (2, 10, 2, 200, 200, 128, torch.bfloat16),  # d 128, groups of 5 in threes (3 + 2)
 ]
 
 
@@ -266,8 +272,9 @@ def test_matches_oracle_and_the_triton_kernel(case, stages):
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 # Groups of 3 with a window mask: three warpgroups per item (_pack), Q in registers at d 64 and in shared memory at d 128;
-# groups of 4 and 7 at d 64: four; MHA.
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[6], CASES[11], CASES[12], CASES[13]],
+# groups of 4 and 7 at d 64: four; groups of 7 at d 128: three, idle in two-head items; MHA.
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[6], CASES[11], CASES[12], CASES[13],
+                                  CASES[14]],
                          ids=lambda c: "b{}_hq{}_hk{}_q{}_k{}_d{}".format(*c[:6]))
 @pytest.mark.parametrize("window, sink", [(70, 0), (100, 20)])
 def test_window_and_sink_match_oracle_and_the_triton_kernel(case, window, sink):
@@ -309,7 +316,7 @@ VS_CASES = [
     (1, 6, 2, 300, 300, 128, torch.bfloat16, 100, 4, None, 1),  # a group of 3 at d 128: three, O through Q
     (1, 8, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # a group of 4 at d 64: four warpgroups
     (2, 16, 2, 100, 260, 64, torch.float16, 90, 3, 40, 1),  # a group of 8 at d 64: two items of four, bottom-right
-    (1, 14, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # groups of 7 at d 64: pairs with a table
+    (1, 14, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # groups of 7 at d 64: threes with a table
     (1, 12, 2, 300, 300, 64, torch.bfloat16, 100, 4, None, 1),  # a group of 6 at d 64: two items of three
     (2, 2, 2, 300, 333, 128, torch.bfloat16, 150, 5, None, 1),  # MHA: 5 query blocks, each item's two spans differ
 ]
@@ -388,8 +395,8 @@ def test_runtime_layout_is_read_and_written_in_place():
 def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
-    odd_heads: groups of 7 under a head map, so single-head items (one warpgroup idling through the ring) sit
-    between paired ones; triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
+    odd_heads: groups of 7 under a head map at d 128, in items of three and two heads (one warpgroup idling
+    through the ring, still freeing its Q buffer, which O leaves through); triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
     quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling);
     triple_table / quad_table: a column table read by three warpgroups (d 128) and four (groups of 4 at d 64); mha_*:
     MHA items of two query blocks whose tiles alternate in the ring, one side empty in some items."""
@@ -404,7 +411,7 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
         window = dict(window=90, sink=8) if kind == "window" else {}
         index = random_index(2, 4 if heads is None else 2, 333, 333, 64, 64, density=0.6, head_space="kv",
                              device="cuda", **window)
-    if kind in ("triple_heads", "quad_heads", "mha_heads"):  # items with no key tile between full ones: each still frees the item before's Q
+    if kind in ("odd_heads", "triple_heads", "quad_heads", "mha_heads"):  # items with no key tile between full ones: each still frees the item before's Q
         index = dataclasses.replace(index, full_count=index.full_count.clone(), partial_count=index.partial_count.clone())
         index.full_count[:, 0, 1:3] = 0
         index.partial_count[:, 0, 1:3] = 0

@@ -6,7 +6,7 @@ way FlashAttention-3 is built, because the Triton kernel's loss at low density i
 (benchmarks/program_cost.py, Run 12): each of its programs loads Q, walks ~14 key tiles and stores O with nothing
 else in flight, about 4.5 SDPA tiles of fixed cost at 32K.
 
-Here one CTA per SM walks work items (PACK heads of one GQA group, fewer in a group's last item when PACK does not
+Here one CTA per SM walks work items (PACK heads of one GQA group, fewer in some of a group's items when PACK does not
 divide it, x 64 query rows; PACK is 2, 3 or 4 by group, head dim and column table (_pack); with a head map, of the
 KV heads the launch serves, so a layer's pattern groups each take it; MHA: two query blocks of one head, each
 warpgroup on its own key list through its own half of the K/V ring), heaviest first, each CTA taking its next item
@@ -62,11 +62,11 @@ BLOCK = gl.constexpr(TILE)  # the same, readable inside the kernels
 @gluon.jit
 def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr):
     """Work item w -> (batch, first query head, its KV head, its index row, query block, heads in the item). A GQA
-    group's heads split into ceil(GROUP / PACK) items that share its KV head; when PACK does not divide GROUP the last
-    one holds the GROUP % PACK heads left (Qwen2-7B's 7 in pairs: 2 + 2 + 2 + 1). A group's items of one query block
-    run fastest, so they read the same key tiles at about the same time, the later ones from L2 (up to 3.5% faster at 8K,
-    the same at 32K-128K: H200, benchmarks/RESULTS.md, Run 24); then query blocks, heaviest (last) first. With a head
-    map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
+    group's heads split into ceil(GROUP / PACK) items that share its KV head, as evenly as that count allows when
+    PACK does not divide GROUP (Qwen2-7B's 7 in pairs: 2 + 2 + 2 + 1; in threes: 3 + 2 + 2). A group's items of one
+    query block run fastest, so they read the same key tiles at about the same time, the later ones from L2 (up to
+    3.5% faster at 8K, the same at 32K-128K: H200, benchmarks/RESULTS.md, Run 24); then query blocks, heaviest (last)
+    first. With a head map the launch serves a subset of KV heads: index row i is KV head HEAD_MAP[i]."""
     if GROUP == 1:
         # MHA: two query blocks of one head, m_block and m_block - 1 (one warpgroup each: its own rows, its own key
         # list); "heads" counts them, 1 where block 0 is left alone.
@@ -78,7 +78,13 @@ def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.cons
         n_heads = gl.minimum(m_block + 1, 2)
     else:
         PER_GROUP: gl.constexpr = (GROUP + PACK - 1) // PACK
-        r = (w % PER_GROUP) * PACK  # the item's first query head within its group
+        # The group's heads split as evenly as its item count allows (7 in threes: 3 + 2 + 2, not 3 + 3 + 1, so no
+        # item runs one head on three warpgroups' K/V traffic): item j's first head and head count.
+        j = w % PER_GROUP
+        BASE: gl.constexpr = GROUP // PER_GROUP
+        EXTRA: gl.constexpr = GROUP % PER_GROUP
+        r = j * BASE + gl.minimum(j, EXTRA)
+        n_heads = BASE + (j < EXTRA).to(gl.int32)
         rest = w // PER_GROUP
         m_block = n_qb - 1 - rest % n_qb
         hb = rest // n_qb  # batch x index row
@@ -88,7 +94,7 @@ def _item(w, n_qb, packs_per_batch, HEAD_MAP, PACK: gl.constexpr, GROUP: gl.cons
         kv_h = gl.load(HEAD_MAP + idx_h)
     else:
         kv_h = idx_h
-    return hb // rows, kv_h * GROUP + r, kv_h, idx_h, m_block, n_heads if GROUP == 1 else gl.minimum(GROUP - r, PACK)
+    return hb // rows, kv_h * GROUP + r, kv_h, idx_h, m_block, n_heads
 
 
 @gluon.jit
@@ -366,7 +372,7 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
         if GROUP % PACK == 0:
             mbarrier.expect(q_ready.index(qb), PACK * q_desc.block_type.nbytes)
         else:
-            # A group's last item may hold fewer heads (GROUP % PACK): the bytes expected are a constant per expect,
+            # Some of a group's items may hold fewer heads (_item): the bytes expected are a constant per expect,
             # so one predicated expect per head count, of which one arrives.
             for r in gl.static_range(1, PACK + 1):
                 mbarrier.expect(q_ready.index(qb), r * q_desc.block_type.nbytes, pred=n_heads == r)
@@ -515,7 +521,7 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
         if GROUP % PACK == 0:
             active = True
         else:
-            active = HEAD < n_heads  # a group's last item may have no head for this warpgroup
+            active = HEAD < n_heads  # some of a group's items have no head for this warpgroup
         p_base = PART_IDX + b * s_pb + idx_h * s_ph + m_block * s_pm
         ids_base = TAB_IDS + b * s_ib + idx_h * s_ih
         bits_base = TAB_BITS + b * s_wb + idx_h * s_wh + m_block * s_wm
@@ -541,7 +547,9 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
         if not active:
             # Nothing to compute, but the ring's stages are released by every warpgroup (kv_empty counts PACK
             # arrivals); each is waited for first, so this warpgroup never runs a phase ahead of the loads. (An MHA
-            # item's missing block has no tiles.)
+            # item's missing block has no tiles.) With O through Q it frees the item before's Q buffer here.
+            if O_IN_Q:
+                _release_previous_q(q_empty, it)
             for t in range(n_tiles):
                 s = tile % STAGES
                 mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
@@ -703,29 +711,33 @@ PACK4_REGS, PACK4_PRODUCER_REGS = 112, 32
 
 
 def _pack(group: int, head_dim: int, table: bool) -> int:
-    """Heads per work item: 3 for groups of 3 and 9, and at d 64 for groups of 6 and 12; at d 64, 4 for the other
-    groups whose last item leaves at most one warpgroup idle (4, 7, 8, 16, ...), with a column table only where none
-    idles (4, 8, 16); else 2. Every warpgroup of an item reads the same K/V tiles, so more of them read each tile
-    once per item, and they take turns on the tensor cores, which hides more of each one's softmax:
-    - three: 1.13-1.35x over pairs at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind), 1.16-1.26x at d 128 on
-      block top-k and 1.16-1.24x on A-shape (24/8 heads, 8K-32K); where pairs idle nowhere, 1.11-1.15x at d 64
-      (12/2 heads, 32K) but up to 8% slower at d 128 (8K);
-    - four (d 64): 1.11-1.25x over pairs on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and 28/4 heads,
-      8K-32K); on groups of 12 within -8% to +4% of three, which keep them;
-    - with a column table (vertical-slash): three 1.13-1.24x at d 128 (24/8 heads) and 1.03-1.08x (27/3); at d 64,
-      three 0.97-1.08x of the pairs on 12/2 heads (slower at 8K only), four 1.01-1.15x on 32/8 and 32/4, but on
-      28/4 (an item of three) 0.94-1.08x, so groups of 7 keep pairs there.
-    H200, benchmarks/RESULTS.md, Runs 22-24 and 26. Four warpgroups have 112 registers (PACK4_REGS), too few for
-    d 128. Under triton 3.9's ptxas, four keep 13-29 values in local memory (none under 3.6's, a few with a window
-    mask), read at item boundaries and, with a window mask, twice per key tile; three at d 128 with a window mask
-    keep 8 (none under 3.6's), one L1 load per key tile."""
+    """Heads per work item (_item splits a group's heads as evenly as its item count allows):
+    - 4 at d 64 for groups not divisible by 3 whose items leave at most one warpgroup idle (4, 7, 8, 16, ...), with a
+      column table only where none idles (4, 8, 16);
+    - 3 for groups of 3 and 9, at d 64 for groups of 6 and 12, for groups of 5 (3 + 2) and 7 (3 + 2 + 2) at d 128
+      without a table, and for groups of 7 at d 64 with one (four ran 0.94-1.09x the pairs there);
+    - else 2.
+    Every warpgroup of an item reads the same K/V tiles, so more of them read each tile once per item, and they take
+    turns on the tensor cores, which hides more of each one's softmax. Against pairs:
+    - three: 1.13-1.35x at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind), 1.16-1.26x at d 128 on block top-k
+      and 1.16-1.24x on A-shape (24/8 heads); where pairs idle nowhere, 1.11-1.15x at d 64 (12/2 heads, 32K) but up
+      to 8% slower at d 128 (8K); groups of 5 and 7 at d 128 (20/4, 28/4 heads) 1.01-1.10x and 1.00-1.06x on block
+      top-k and A-shape, but groups of 7 0.95-1.01x with a table;
+    - four (d 64): 1.11-1.25x on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and 28/4 heads, 8K-32K);
+      on groups of 12 within -8% to +4% of three, which keep them;
+    - with a column table (vertical-slash): three 1.13-1.24x at d 128 (24/8 heads) and 1.03-1.08x (27/3); at d 64
+      0.97-1.14x on 12/2 heads (slower at 8K only) and 1.03-1.08x on 28/4; four 1.08-1.21x on 32/8 and 32/4.
+    Items of one KV tile (diagonal only) lose 9-14% with three. H200, benchmarks/RESULTS.md, Runs 22-24 and 26-27.
+    Four warpgroups have 112 registers (PACK4_REGS), too few for d 128. Under triton 3.9's ptxas, four keep 13-29
+    values in local memory (none under 3.6's, a few with a window mask), read at item boundaries and, with a window
+    mask, twice per key tile; three at d 128 with a window mask keep 8 (none under 3.6's), one L1 load per key tile."""
     if head_dim == 64 and group % 3 and (group % 4 == 0 if table else -group % 4 <= 1):
         return 4
-    if group % 3:
-        return 2
-    if group % 2:
-        return 3  # groups of 3 and 9
-    return 3 if head_dim == 64 else 2  # even groups (6, 12): slower at d 128; with a table measured on 6 only
+    if group % 3 == 0:
+        return 3 if group % 2 or head_dim == 64 else 2  # even groups (6, 12) ran slower in threes at d 128
+    if (group, head_dim, table) in ((5, 128, False), (7, 128, False), (7, 64, True)):
+        return 3  # where measured (other odd groups keep pairs)
+    return 2
 
 
 def _plan(group: int, head_dim: int, table: bool, stages: int | None, consumer_regs: int) -> tuple[int, int, int, int]:
@@ -763,7 +775,7 @@ def ws_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockI
     bf16/fp16 on CUDA with TMA-ready strides (tma_layout_ok), d 64/128, 64-blocks, a kv-space index of full and
     partial lists (window/sink masks included) and, when ``table``, a column table (columns without one stay with
     the Triton kernel), GQA groups of any size (2, 3 or 4 heads per item by _pack; where that does not divide the
-    group, the last item's spare warpgroups idle) and MHA (two query blocks of a head per item)."""
+    group, the spare warpgroups of its smaller items idle) and MHA (two query blocks of a head per item)."""
     return q.is_cuda and ws_shapes_fit(q, k, v, index, table=table)
 
 
@@ -808,7 +820,7 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_qb = triton.cdiv(q_len, TILE)
     heads = None if heads is None else heads.contiguous()  # the kernel reads it at unit stride
     idx_heads = kv_heads if heads is None else heads.shape[0]
-    packs = idx_heads * triton.cdiv(group, pack)  # a group's last item may hold fewer heads
+    packs = idx_heads * triton.cdiv(group, pack)  # some of a group's items may hold fewer heads (_item)
     n_items = batch * packs * (triton.cdiv(n_qb, 2) if group == 1 else n_qb)  # MHA: two query blocks per item
     if n_items == 0:  # the producer reads its first item's counts before it checks the item against n_items
         return out, lse
