@@ -727,16 +727,18 @@ def _pack(group: int, head_dim: int, table: bool) -> int:
       on groups of 12 within -8% to +4% of three, which keep them;
     - with a column table (vertical-slash): three 1.13-1.24x at d 128 (24/8 heads) and 1.03-1.08x (27/3); at d 64
       0.97-1.14x on 12/2 heads (slower at 8K only) and 1.03-1.08x on 28/4; four 1.08-1.21x on 32/8 and 32/4.
-    Items of one KV tile (diagonal only) lose 9-14% with three. H200, benchmarks/RESULTS.md, Runs 22-24 and 26-27.
-    Four warpgroups have 112 registers (PACK4_REGS), too few for d 128. Under triton 3.9's ptxas, four keep 13-29
-    values in local memory (none under 3.6's, a few with a window mask), read at item boundaries and, with a window
-    mask, twice per key tile; three at d 128 with a window mask keep 8 (none under 3.6's), one L1 load per key tile."""
+    Items of one KV tile (diagonal only) lose 8-14% with three. H200, benchmarks/RESULTS.md, Runs 22-24 and 26-27.
+    Four warpgroups have 112 registers (PACK4_REGS), too few for d 128. Under triton 3.9's ptxas (13.4), four keep
+    13-29 values in local memory (none under 3.6's 12.8, a few with a window mask), read at item boundaries and,
+    with a window mask, twice per key tile; three at d 128 with a window mask or items that idle one keep 8-9 (none
+    under 12.8), one L1 load per key tile. With a table, 13.4 keeps more (9 loads per key tile for three at d 128,
+    13 for four at d 64; 12.8 none in the loop), and there the choices above still ran 1.06-1.19x the pairs."""
     if head_dim == 64 and group % 3 and (group % 4 == 0 if table else -group % 4 <= 1):
         return 4
     if group % 3 == 0:
         return 3 if group % 2 or head_dim == 64 else 2  # even groups (6, 12) ran slower in threes at d 128
     if (group, head_dim, table) in ((5, 128, False), (7, 128, False), (7, 64, True)):
-        return 3  # where measured (other odd groups keep pairs)
+        return 3  # where measured; the other groups not divisible by 3 keep pairs
     return 2
 
 
