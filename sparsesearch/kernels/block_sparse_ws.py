@@ -710,19 +710,26 @@ PACK3_REGS, PACK3_PRODUCER_REGS, PAIR_PRODUCER_REGS = 160, 32, 40
 PACK4_REGS, PACK4_PRODUCER_REGS = 112, 32
 
 
+# Groups not divisible by 3 that run faster in threes than in pairs, as (group, head dim, column table): where
+# measured (_pack); the others keep pairs, or fours at d 64.
+_ODD_THREES = frozenset({(5, 64, False), (5, 128, False), (5, 128, True), (7, 128, False), (7, 64, True)})
+
+
 def _pack(group: int, head_dim: int, table: bool) -> int:
     """Heads per work item (_item splits a group's heads as evenly as its item count allows):
     - 4 at d 64 for groups not divisible by 3 whose items leave at most one warpgroup idle (4, 7, 8, 16, ...), with a
       column table only where none idles (4, 8, 16);
-    - 3 for groups of 3 and 9, at d 64 for groups of 6 and 12, for groups of 5 (3 + 2) and 7 (3 + 2 + 2) at d 128
-      without a table, and for groups of 7 at d 64 with one (four ran 0.94-1.09x the pairs there);
+    - 3 for groups of 3 and 9, at d 64 for groups of 6 and 12, and where measured for groups of 5 (3 + 2) and 7
+      (3 + 2 + 2): 5 but at d 64 with a table (not measured), 7 at d 128 without a table and at d 64 with one (four
+      ran 0.94-1.09x the pairs there);
     - else 2.
     Every warpgroup of an item reads the same K/V tiles, so more of them read each tile once per item, and they take
     turns on the tensor cores, which hides more of each one's softmax. Against pairs:
     - three: 1.13-1.35x at d 64 (24/8 and 9/3 heads, 8K-32K, every index kind), 1.16-1.26x at d 128 on block top-k
       and 1.16-1.24x on A-shape (24/8 heads); where pairs idle nowhere, 1.11-1.15x at d 64 (12/2 heads, 32K) but up
-      to 8% slower at d 128 (8K); groups of 5 and 7 at d 128 (20/4, 28/4 heads) 1.01-1.10x and 1.00-1.06x on block
-      top-k and A-shape, but groups of 7 0.95-1.01x with a table;
+      to 8% slower at d 128 (8K), and 0.83-0.98x on groups of 8 there (16/2 heads, 3 + 3 + 2); groups of 5 and 7 at
+      d 128 (20/4, 28/4 heads) 1.01-1.10x and 1.00-1.06x on block top-k and A-shape, groups of 5 at d 64 (20/4)
+      1.09-1.17x; with a table, groups of 5 at d 128 (40/8) 0.99-1.06x but groups of 7 0.95-1.01x;
     - four (d 64): 1.11-1.25x on block top-k and 1.04-1.14x on A-shape (32/8, 32/4, 32/2 and 28/4 heads, 8K-32K);
       on groups of 12 within -8% to +4% of three, which keep them;
     - with a column table (vertical-slash): three 1.13-1.24x at d 128 (24/8 heads) and 1.03-1.08x (27/3); at d 64
@@ -737,8 +744,8 @@ def _pack(group: int, head_dim: int, table: bool) -> int:
         return 4
     if group % 3 == 0:
         return 3 if group % 2 or head_dim == 64 else 2  # even groups (6, 12) ran slower in threes at d 128
-    if (group, head_dim, table) in ((5, 128, False), (7, 128, False), (7, 64, True)):
-        return 3  # where measured; the other groups not divisible by 3 keep pairs
+    if (group, head_dim, table) in _ODD_THREES:
+        return 3
     return 2
 
 
