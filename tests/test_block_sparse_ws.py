@@ -199,8 +199,8 @@ def test_compiles_for_hopper_within_shared_memory(head_dim, stages, table, windo
     pack = ws._pack(group, head_dim, table)
     # Bounds on local-memory instructions where Triton 3.9's ptxas (13.4) spills, so that a change which spills in
     # earnest fails here. 3.6's (12.8, the GPU hosts') spills 7 for four with a window and 5-42 for the table kernels
-    # (none elsewhere), and on
-    # an H200 the table kernels built by 13.4 still ran 1.06-1.19x the pairs (benchmarks/RESULTS.md, Run 26).
+    # (none elsewhere), and on an H200 the table kernels built by 13.4 still ran 1.06-1.19x the pairs
+    # (benchmarks/RESULTS.md, Run 26).
     if pack == 4:
         # Four consumers in 112 registers: 13-29 values kept in local memory (49-93 instructions), loaded at item
         # boundaries and, with a window mask, twice per key tile. With a table 288-421, about a dozen loads per key
@@ -403,10 +403,11 @@ def test_items_from_the_counter_give_the_same_bits_on_any_grid(kind):
     """One CTA walking every item (the Q ring, the item slots and the K/V ring across item boundaries), three CTAs
     racing for tickets, and the default grid: the same bits, because an item's math does not depend on who runs it.
     odd_heads: groups of 7 under a head map at d 128, in items of three and two heads (one warpgroup idling
-    through the ring, still freeing its Q buffer, which O leaves through); triple_heads: groups of 3, three warpgroups per item, O through the Q buffers (d 128);
-    quad_heads: groups of 7 at d 64, four warpgroups, items of four and three heads (one warpgroup idling);
-    triple_table / quad_table: a column table read by three warpgroups (d 128) and four (groups of 4 at d 64); mha_*:
-    MHA items of two query blocks whose tiles alternate in the ring, one side empty in some items."""
+    through the ring, still freeing its Q buffer, which O leaves through); triple_heads: groups of 3, three
+    warpgroups per item, O through the Q buffers (d 128); quad_heads: groups of 7 at d 64, four warpgroups, items
+    of four and three heads (one warpgroup idling); triple_table / quad_table: a column table read by three
+    warpgroups (d 128) and four (groups of 4 at d 64); mha_*: MHA items of two query blocks whose tiles alternate in
+    the ring, one side empty in some items."""
     group = {"odd_heads": 7, "triple_heads": 3, "quad_heads": 7, "triple_table": 3, "quad_table": 4, "mha_heads": 1,
              "mha_table": 1}.get(kind, 2)
     dim = 64 if kind.startswith("quad") else 128
