@@ -207,6 +207,19 @@ def _fetch_second(b, idx_h, m_block, n_heads, FULL_CNT, PART_CNT, TAB_SPAN, TAB_
     return n_full, n_part, span, clean
 
 
+@gluon.jit
+def _table_span(span, clean, n_slots, TABLE: gl.constexpr):
+    """Producer: a query block's table span and clean run as the consumers read them, clamped to the table's slots
+    (bounds-safe on a malformed span); 0, 0 without a table."""
+    if TABLE:
+        n_span = gl.minimum(span, n_slots)
+        n_clean = gl.minimum(clean, n_span)
+    else:
+        n_span = 0
+        n_clean = 0
+    return n_span, n_clean
+
+
 # An MHA item's two query blocks share no key list, so the K/V ring splits in two: warpgroup j's tiles go to stages
 # j, j + 2, ..., each its own ring with its own count (an mbarrier's parity wait needs every phase of a stage seen by
 # its waiter). The producer fills them alternately, the first block's tile first, until the shorter list ends, then
@@ -349,21 +362,11 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
         # Q buffer qb (and item slot qb) was last read by item it - 2: wait for the consumers to release it.
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1, pred=it >= 2)
         total = n_full + n_part
-        if TABLE:
-            n_span = gl.minimum(span, n_slots)  # bounds-safe on a malformed span
-            n_clean = gl.minimum(clean, n_span)
-        else:
-            n_span = 0
-            n_clean = 0
+        n_span, n_clean = _table_span(span, clean, n_slots, TABLE)
         _post_item(item_smem, qb, w, b, h0, idx_h, m_block, n_heads, n_full, total, n_span, n_clean, NFS, one_warp)
         if GROUP == 1:
             total1 = n_full1 + n_part1
-            if TABLE:
-                n_span1 = gl.minimum(span1, n_slots)
-                n_clean1 = gl.minimum(clean1, n_span1)
-            else:
-                n_span1 = 0
-                n_clean1 = 0
+            n_span1, n_clean1 = _table_span(span1, clean1, n_slots, TABLE)
             _post_second(item_smem, qb, n_full1, total1, n_span1, n_clean1, one_warp)
             n_t0 = total + gl.cdiv(n_span, BLOCK)
             n_t1 = total1 + gl.cdiv(n_span1, BLOCK)
@@ -423,16 +426,14 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
                 # The index row's slab ([B, Hs, V, D]): slots (i - listed) * 64 on.
                 _tma_load(kc_desc, [b, idx_h, (i - listed) * BLOCK, 0], bar, k_smem.index(s))
                 _tma_load(vc_desc, [b, idx_h, (i - listed) * BLOCK, 0], bar, v_smem.index(s))
-            # The next tile's block id, in flight through the next ring wait.
+            # The next tile's block id, in flight through the next ring wait; the tile counts.
             if GROUP == 1:
                 blk = _mha_block_id(t + 1, both, n_t1_longer, n_full, total, n_full1, total1, f_base, p_base, s_fm,
                                     s_pm)
-            else:
-                blk = _block_id(t + 1, n_full, total, f_base, p_base)
-            if GROUP == 1:
                 tile += 1 - j
                 tile1 += j
             else:
+                blk = _block_id(t + 1, n_full, total, f_base, p_base)
                 tile += 1
         w = nxt
         b, h0, kv_h, idx_h, m_block, n_heads = nb, nh0, nkv_h, nidx_h, nm_block, nn_heads
@@ -551,8 +552,7 @@ def _consumer(HEAD_DIM: gl.constexpr, PACK: gl.constexpr, GROUP: gl.constexpr, S
             if O_IN_Q:
                 _release_previous_q(q_empty, it)
             for t in range(n_tiles):
-                s = tile % STAGES
-                mbarrier.wait(kv_ready.index(s), (tile // STAGES) & 1)
+                s = _landed(kv_ready, tile, HEAD, STAGES, GROUP)
                 mbarrier.arrive(kv_empty.index(s), count=1)
                 tile += 1
         elif n_tiles > 0:
@@ -809,9 +809,8 @@ def block_sparse_ws_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     heads: int32 [Hs] KV heads this launch serves (index row i is KV head heads[i]; the other heads of out/lse
     are left untouched), or None for all of them.
     stages: K/V ring depth, None for _plan's (3; 4 for three d-128 warpgroups and for MHA, where it is at least 4 and
-    even: _plan). H200, 32K, block top-k: one block
-    per tile x 3 stages ran 4-10% faster than two blocks per tile x 2 stages, the most that fit (benchmarks/RESULTS.md,
-    Run 15).
+    even: _plan). H200, 32K, block top-k: one block per tile x 3 stages ran 4-10% faster than two blocks per tile x
+    2 stages, the most that fit (benchmarks/RESULTS.md, Run 15).
     programs: CTAs to launch (default one per SM, at most one per work item); each takes its next item from a
     shared counter, so any count gives the same bits, and fewer leave SMs to concurrent work.
     consumer_regs: registers per consumer thread (setmaxnreg). 224 and 232 time the same on an H200; at 232 the
