@@ -169,42 +169,43 @@ def _read_item(item_smem, qb, NFS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _fetch(w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
-           s_tb, s_th, s_tm, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr,
-           TABLE: gl.constexpr):
-    """Producer: item w's coordinates and its raw counts, loads issued and not waited for (their values are first
-    used an item later). Past the end it reads the last item's (never used)."""
-    b, h0, kv_h, idx_h, m_block, n_heads = _item(gl.minimum(w, n_items - 1), n_qb, packs_per_batch, HEAD_MAP, PACK,
-                                                 GROUP, USE_HEAD_MAP)
-    c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
-    n_full = gl.load(FULL_CNT + c_off)
-    n_part = gl.load(PART_CNT + c_off)
-    if TABLE:
-        t_off = b * s_tb + idx_h * s_th + m_block * s_tm
-        span = gl.load(TAB_SPAN + t_off)
-        clean = gl.load(TAB_CLEAN + t_off)
+def _count(ptr, has, MASKED: gl.constexpr):
+    """One raw count: 0 where MASKED and not has; unmasked where the caller knows the block exists (a plain load)."""
+    if MASKED:
+        return gl.load(ptr, mask=has, other=0)
     else:
-        span = 0
-        clean = 0
-    return b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean
+        return gl.load(ptr)
 
 
 @gluon.jit
-def _fetch_second(b, idx_h, m_block, n_heads, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th,
-                  s_tm, TABLE: gl.constexpr):
-    """Producer, MHA items: the raw counts of query block m_block - 1 (zeros where the item has one block)."""
-    has = n_heads > 1
-    c_off = b * s_cb + idx_h * s_ch + (m_block - 1) * s_cm
-    n_full = gl.load(FULL_CNT + c_off, mask=has, other=0)
-    n_part = gl.load(PART_CNT + c_off, mask=has, other=0)
+def _counts(b, idx_h, m_block, has, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th, s_tm,
+            TABLE: gl.constexpr, MASKED: gl.constexpr):
+    """Producer: query block m_block's raw (n_full, n_part, span, clean), loads issued and not waited for (their
+    values are first used an item later); span and clean are 0 without a table."""
+    c_off = b * s_cb + idx_h * s_ch + m_block * s_cm
+    n_full = _count(FULL_CNT + c_off, has, MASKED)
+    n_part = _count(PART_CNT + c_off, has, MASKED)
     if TABLE:
-        t_off = b * s_tb + idx_h * s_th + (m_block - 1) * s_tm
-        span = gl.load(TAB_SPAN + t_off, mask=has, other=0)
-        clean = gl.load(TAB_CLEAN + t_off, mask=has, other=0)
+        t_off = b * s_tb + idx_h * s_th + m_block * s_tm
+        span = _count(TAB_SPAN + t_off, has, MASKED)
+        clean = _count(TAB_CLEAN + t_off, has, MASKED)
     else:
         span = 0
         clean = 0
     return n_full, n_part, span, clean
+
+
+@gluon.jit
+def _fetch(w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
+           s_tb, s_th, s_tm, PACK: gl.constexpr, GROUP: gl.constexpr, USE_HEAD_MAP: gl.constexpr,
+           TABLE: gl.constexpr):
+    """Producer: item w's coordinates and its raw counts (_counts). Past the end it reads the last item's (never
+    used)."""
+    b, h0, kv_h, idx_h, m_block, n_heads = _item(gl.minimum(w, n_items - 1), n_qb, packs_per_batch, HEAD_MAP, PACK,
+                                                 GROUP, USE_HEAD_MAP)
+    n_full, n_part, span, clean = _counts(b, idx_h, m_block, True, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch,
+                                          s_cm, s_tb, s_th, s_tm, TABLE, False)
+    return b, h0, kv_h, idx_h, m_block, n_heads, n_full, n_part, span, clean
 
 
 @gluon.jit
@@ -354,8 +355,9 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
         w, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
         s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
     if GROUP == 1:
-        n_full1, n_part1, span1, clean1 = _fetch_second(b, idx_h, m_block, n_heads, FULL_CNT, PART_CNT, TAB_SPAN,
-                                                        TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th, s_tm, TABLE)
+        # The second query block's counts (zeros where the item has one block).
+        n_full1, n_part1, span1, clean1 = _counts(b, idx_h, m_block - 1, n_heads > 1, FULL_CNT, PART_CNT, TAB_SPAN,
+                                                  TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th, s_tm, TABLE, True)
         tile1 = 0  # tile counts 0 and 1: each warpgroup's own half of the ring
     while w < n_items:
         qb = it % 2
@@ -399,9 +401,9 @@ def _producer(PACK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, TAB
             nxt, n_items, n_qb, packs_per_batch, HEAD_MAP, FULL_CNT, PART_CNT, TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm,
             s_tb, s_th, s_tm, PACK, GROUP, USE_HEAD_MAP, TABLE)
         if GROUP == 1:
-            nn_full1, nn_part1, nspan1, nclean1 = _fetch_second(nb, nidx_h, nm_block, nn_heads, FULL_CNT, PART_CNT,
-                                                                TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th,
-                                                                s_tm, TABLE)
+            nn_full1, nn_part1, nspan1, nclean1 = _counts(nb, nidx_h, nm_block - 1, nn_heads > 1, FULL_CNT, PART_CNT,
+                                                          TAB_SPAN, TAB_CLEAN, s_cb, s_ch, s_cm, s_tb, s_th, s_tm,
+                                                          TABLE, True)
             n_stream = n_t0 + n_t1
         else:
             n_stream = total + gl.cdiv(n_span, BLOCK)
