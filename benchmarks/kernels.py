@@ -22,6 +22,12 @@ without the host's launch cost, which at 4K exceeds the triangle kernel's GPU wo
 and after a 250 ms full-power SDPA call (128K) the GPU runs the next one 10-23% slower (RESULTS.md, Run 13). At
 32K SDPA from idle runs at boost clocks, 13% faster than back to back.
 
+Each row also times the kernel the way issue 14 set its bar: ``triton.testing.do_bench`` alone, back to back with
+the L2 flushed, against SDPA timed the same way just before it (``t_ours_alone_ms``, ``t_sdpa_alone_ms``,
+``eff_ours_alone``, ``eff_flex_alone``; with ``--graphs`` also ``eff_ours_graph_alone``). The three protocols differ most for short calls:
+a sub-millisecond kernel timed from idle runs mostly while the clocks ramp, and one right after a full-power SDPA
+call runs throttled.
+
 Needs a CUDA GPU. Index building is timed separately (``index_ms``).
 """
 
@@ -58,6 +64,12 @@ def paired(fn, sdpa, clock, flush, gap_ms: float = 0.0) -> tuple[float, float, i
     idle before every call."""
     timed = interleaved_ms([fn, sdpa], clock=clock, flush=flush, gap_ms=gap_ms)
     return timed.ms[0], timed.ms[1], timed.reps
+
+
+def alone(fn, sdpa) -> tuple[float, float]:
+    """(fn ms, SDPA ms), each a do_bench median of back-to-back calls, SDPA first: the protocol of issue 14's bar."""
+    t_sdpa = bench(sdpa)
+    return bench(fn), t_sdpa
 
 
 def computed_density(index: BlockIndex, n: int) -> float:
@@ -186,6 +198,7 @@ def run(args) -> list[dict]:
             runner = runner or (lambda q_, k_, v_, i_: block_sparse_attention(q_, k_, v_, i_))
             out, _ = runner(q, k, v, index)
             t_ours, t_sdpa_paired, reps = paired(lambda: runner(q, k, v, index), sdpa, clock, flush, args.gap_ms)
+            t_alone, t_sdpa_alone = alone(lambda: runner(q, k, v, index), sdpa)
             density = computed_density(index, n)
             if tail_from is not None:  # triangle: the dense tail rows are computed too
                 density += (args.heads * 128 * n) / (args.heads * n * n / 2)
@@ -198,14 +211,20 @@ def run(args) -> list[dict]:
                 "sdpa_timing": "interleaved", "gap_ms": args.gap_ms, "paired_reps": reps, "t_sdpa_paired_ms": round(t_sdpa_paired, 4),
                 "eff_ours": round(density * t_sdpa_paired / t_ours, 3), "eff_ours_cold": round(density * t_sdpa / t_ours, 3),
                 "speedup_vs_sdpa": round(t_sdpa_paired / t_ours, 2),
+                "t_ours_alone_ms": round(t_alone, 4), "t_sdpa_alone_ms": round(t_sdpa_alone, 4),
+                "eff_ours_alone": round(density * t_sdpa_alone / t_alone, 3),
                 "index_ms": round(index_ms, 4), "index_bytes": index_bytes(index), "rel_err_last_rows": err,
                 "command": command,
             }
             if name.startswith("vs_"):
                 row.update(vs_estimate_ms=round(t_estimate, 4), vs_estimate_pct_of_sdpa=round(100 * t_estimate / t_sdpa, 2))
             if args.graphs:
-                t_graph, t_sdpa_graph, _ = paired(graphed(lambda: runner(q, k, v, index)), sdpa, clock, flush, args.gap_ms)
-                row.update(t_ours_graph_ms=round(t_graph, 4), eff_ours_graph=round(density * t_sdpa_graph / t_graph, 3))
+                replay = graphed(lambda: runner(q, k, v, index))
+                t_graph, t_sdpa_graph, _ = paired(replay, sdpa, clock, flush, args.gap_ms)
+                t_graph_alone, t_sdpa_graph_alone = alone(replay, sdpa)
+                row.update(t_ours_graph_ms=round(t_graph, 4), eff_ours_graph=round(density * t_sdpa_graph / t_graph, 3),
+                           t_ours_graph_alone_ms=round(t_graph_alone, 4),
+                           eff_ours_graph_alone=round(density * t_sdpa_graph_alone / t_graph_alone, 3))
             if flex is not None and index.col_count is None:
                 mm = causal if mask_mod == "causal" else mask_mod
                 try:
@@ -215,15 +234,17 @@ def run(args) -> list[dict]:
                     run_flex = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=opts)  # noqa: E731
                     run_flex()
                     t_flex, t_sdpa_flex, _ = paired(run_flex, sdpa, clock, flush, args.gap_ms)
+                    t_flex_alone, t_sdpa_flex_alone = alone(run_flex, sdpa)
                     row.update(t_flex_ms=round(t_flex, 4), t_sdpa_flex_paired_ms=round(t_sdpa_flex, 4),
-                               eff_flex=round(density * t_sdpa_flex / t_flex, 3), eff_flex_cold=round(density * t_sdpa / t_flex, 3))
+                               eff_flex=round(density * t_sdpa_flex / t_flex, 3), eff_flex_cold=round(density * t_sdpa / t_flex, 3),
+                               t_flex_alone_ms=round(t_flex_alone, 4), eff_flex_alone=round(density * t_sdpa_flex_alone / t_flex_alone, 3))
                     if args.graphs:
                         t_graph, t_sdpa_graph, _ = paired(graphed(run_flex), sdpa, clock, flush, args.gap_ms)
                         row.update(t_flex_graph_ms=round(t_graph, 4), eff_flex_graph=round(density * t_sdpa_graph / t_graph, 3))
                 except Exception as exc:  # report, keep benchmarking the rest
                     row["flex_error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
-            print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "eff_ours", "t_flex_ms", "eff_flex", "t_ours_graph_ms", "t_flex_graph_ms", "t_sdpa_paired_ms", "index_ms", "rel_err_last_rows") if k_ in row}), flush=True)
+            print(json.dumps({k_: row[k_] for k_ in ("case", "n", "density", "t_ours_ms", "eff_ours", "eff_ours_alone", "t_flex_ms", "eff_flex", "t_ours_graph_ms", "t_flex_graph_ms", "t_sdpa_paired_ms", "index_ms", "rel_err_last_rows") if k_ in row}), flush=True)
         del q, k, v, k_rep, v_rep
         torch.cuda.empty_cache()
     return rows
