@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, spava, sweep_nosa, sweep_spava, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, spava, sweep_nosa, sweep_spava, tune_kernels, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -25,6 +25,7 @@ app.command("diff")(diff.diff)
 app.command("sweep-nosa")(sweep_nosa.sweep_nosa)
 app.add_typer(spava.app, name="spava")
 app.command("sweep-spava")(sweep_spava.sweep_spava)
+app.command("tune-kernels")(tune_kernels.tune_kernels)
 
 
 @app.callback()

@@ -40,6 +40,7 @@ from ._common import (
 )
 from .block_sparse_ws import block_sparse_ws_attention, tma_layout_ok, ws_eligible
 from .column_slabs import column_slabs, table_operands
+from .launch_table import tuned_config
 from .region_runs import fold_runs
 
 
@@ -322,20 +323,25 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, device: torch.devi
     128-row blocks) over 8 warps / 3 stages (0.71): Q (32 KiB) + 2 x (K + V) tiles (64 KiB) fit two CTAs per
     SM, a third stage drops that to one. head_dim 256 halves the key tile to stay within shared memory.
     Full-block tiles through TMA (Hopper and later) beat pointer loads at that config; a heads-first grid
-    order and one loop over full and partial blocks were slower (session 6 tuning rows).
+    order and one loop over full and partial blocks were slower (session 6 tuning rows). Where
+    ``sparsesearch tune-kernels`` has measured this GPU (launch_table.py), its tile width, warps and stages
+    replace these.
     """
     return dict(_device_config(block_n, head_dim, device, interpreting()))
 
 
 @functools.cache
-def _device_config(block_n: int, head_dim: int, device: torch.device, interpret: bool) -> dict:
+def _device_config(block_n: int, head_dim: int, device: torch.device, interpret: bool, tuned: bool = True) -> dict:
     """``_launch_config``'s answer, once per key: reading the device's capability costs host time on every
-    launch otherwise (about 20 us of a 0.23 ms call, H200)."""
+    launch otherwise (about 20 us of a 0.23 ms call, H200). ``tuned`` False: the defaults, ignoring the launch table
+    (what the tuner compares against)."""
     tile_n = min(block_n, 64 if head_dim <= 128 else 32)
     if interpret:
         return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 1}
     major = torch.cuda.get_device_capability(device)[0]
-    return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": major >= 9, "ws": major == 9}
+    config = {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": major >= 9, "ws": major == 9}
+    measured = tuned_config(torch.cuda.get_device_name(device), block_n, head_dim) if tuned else None
+    return config if measured is None else {**config, **measured}
 
 
 def _pack(index: BlockIndex, group: int, head_dim: int) -> int:

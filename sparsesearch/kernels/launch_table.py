@@ -1,0 +1,119 @@
+"""Per-device launch configs of the Triton block-sparse kernel: measured once on a GPU, cached, then used.
+
+``block_sparse._launch_config``'s defaults (64-wide key tiles, 4 warps, 2 stages) were measured on an H200. A GPU
+with less shared memory or another balance of tensor and load throughput may want others. ``sparsesearch
+tune-kernels`` times every candidate on the GPU at a representative launch, keeps the fastest per (block_n,
+head_dim), and records it here:
+
+    $XDG_CACHE_HOME/sparsesearch/launch_configs.json   (~/.cache/... without XDG_CACHE_HOME)
+    {"schema_version": 1, "devices": {"NVIDIA H200": {"env": {torch, triton, kernels, device},
+                                                      "configs": {"64x128": {"TILE_N": 64, "num_warps": 4, ...}}}}}
+
+A device's entry holds only for the torch, Triton and kernel versions it was measured under (``search.cost.cache_env``,
+the cost cache's stamp): one stamped otherwise, or malformed, is ignored with a warning and never trusted. Hopper's
+warp-specialized kernel (block_sparse_ws.py) has its own measured plan and does not read the table; the launches it
+does not take (regions, grid lines, varlen, 128-row blocks, query-space indexes) do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+SCHEMA_VERSION = 1
+TUNED = ("TILE_N", "num_warps", "num_stages")  # what an entry may set; the rest stays the device default
+TILE_CHOICES = (32, 64)  # key tile widths timed (16-blocks take 16)
+WARP_CHOICES = (4, 8)
+STAGE_CHOICES = (1, 2, 3)
+
+
+def default_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsesearch" / "launch_configs.json"
+
+
+def config_key(block_n: int, head_dim: int) -> str:
+    return f"{block_n}x{head_dim}"
+
+
+def candidates(block_n: int, head_dim: int) -> list[dict[str, int]]:
+    """Every (TILE_N, num_warps, num_stages) worth timing for a launch: key tiles no wider than a block, and 32 wide
+    past head_dim 128 (a 64-wide tile of d 256 does not fit shared memory twice)."""
+    widths = [t for t in TILE_CHOICES if t <= block_n and (head_dim <= 128 or t == 32)] or [block_n]
+    return [{"TILE_N": t, "num_warps": w, "num_stages": s} for t in widths for w in WARP_CHOICES for s in STAGE_CHOICES]
+
+
+def _valid_config(config: Any) -> bool:
+    return (isinstance(config, dict) and set(TUNED) <= set(config)
+            and config["TILE_N"] in (16, *TILE_CHOICES) and config["num_warps"] in WARP_CHOICES
+            and config["num_stages"] in STAGE_CHOICES)
+
+
+def read_table(path: Path) -> dict:
+    """The file's content, or an empty table (with a warning) when it is unreadable or of another schema."""
+    if not path.exists():
+        return {"schema_version": SCHEMA_VERSION, "devices": {}}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"launch table {path} unreadable ({exc}); ignored", stacklevel=2)
+        return {"schema_version": SCHEMA_VERSION, "devices": {}}
+    if not isinstance(table, dict) or table.get("schema_version") != SCHEMA_VERSION or not isinstance(table.get("devices"), dict):
+        warnings.warn(f"launch table {path} is not schema {SCHEMA_VERSION}; ignored", stacklevel=2)
+        return {"schema_version": SCHEMA_VERSION, "devices": {}}
+    return table
+
+
+def device_configs(table: dict, device_name: str, env: dict[str, str], path: Path) -> dict[str, dict[str, int]]:
+    """The device's valid configs when its entry was measured under ``env``; {} otherwise (a stale or foreign entry
+    warns: its timings say nothing about these versions)."""
+    entry = table["devices"].get(device_name)
+    if entry is None:
+        return {}
+    if not isinstance(entry, dict) or entry.get("env") != env:
+        warnings.warn(f"launch table {path}: the entry for {device_name!r} was measured under other versions "
+                      f"({entry.get('env') if isinstance(entry, dict) else entry!r}, now {env}); ignored", stacklevel=2)
+        return {}
+    configs = entry.get("configs", {})
+    return {key: {name: c[name] for name in TUNED} for key, c in configs.items() if _valid_config(c)}
+
+
+def write_configs(path: Path, device_name: str, env: dict[str, str], configs: dict[str, dict]) -> None:
+    """Record a device's tuned configs (merged over its entry when that has the same env), atomically: a reader never
+    sees half a file."""
+    table = read_table(path)
+    entry = table["devices"].get(device_name)
+    kept = entry.get("configs", {}) if isinstance(entry, dict) and entry.get("env") == env else {}
+    table["devices"][device_name] = {"env": env, "configs": {**kept, **configs}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+@functools.cache
+def tuned_config(device_name: str, block_n: int, head_dim: int) -> dict[str, int] | None:
+    """This device's measured config for (block_n, head_dim) from the default table, or None. Read once per process
+    and key: a table written later is seen by the next process."""
+    from ..search.cost import cache_env
+
+    path = default_path()
+    configs = device_configs(read_table(path), device_name, cache_env(device_name), path)
+    return configs.get(config_key(block_n, head_dim))
+
+
+def fastest(configs: Iterable[dict], time_ms: Callable[[dict], float]) -> tuple[dict | None, list[dict]]:
+    """(the config with the least time, one row per config: the config, ``ms``, or ``error`` where it failed to
+    compile or run, e.g. out of shared memory)."""
+    rows = []
+    for config in configs:
+        try:
+            rows.append({**config, "ms": float(time_ms(config))})
+        except Exception as exc:  # a candidate that does not fit this GPU is a row, not the end of the tuning
+            rows.append({**config, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    timed = [r for r in rows if "ms" in r]
+    best = min(timed, key=lambda r: r["ms"]) if timed else None
+    return (None if best is None else {name: best[name] for name in TUNED}), rows
