@@ -146,3 +146,36 @@ def test_tune_one_times_every_candidate_against_the_default_output():
         assert not any("error" in r for r in rows)
     last = [r for r in rows if "ms" in r][-1]
     assert result["best"] == {name: last[name] for name in launch_table.TUNED} and result["best_ms"] == last["ms"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts timed calls; a GPU may refuse some candidates")
+def test_tune_one_keeps_the_default_within_noise():
+    """Every candidate 1% faster than the default does not replace it (MIN_GAIN)."""
+    default = {"TILE_N": 64, "num_warps": 4, "num_stages": 1}  # the interpreter's launch config
+    at = candidates(64, 64).index(default)
+    calls = []
+
+    def time_ms(fn):
+        calls.append(fn())
+        return 1.0 if len(calls) - 1 == at else 0.99
+
+    result = kernel_tuning.tune_one(64, 64, 256, 2, 1, 0.5, torch.device("cpu"), time_ms=time_ms)
+    assert len(calls) == 12 and result["default_ms"] == 1.0
+    assert result["best"] == result["default"] == default and result["best_ms"] == 1.0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--block", "48"], "block must be one of"),
+    (["--density", "1.5"], "density must be in"),
+    (["--heads", "6", "--kv-heads", "4"], "multiple of kv_heads"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(cache_home, args, expected):
+    from typer.testing import CliRunner
+
+    from sparsesearch_cli.app import app
+
+    result = CliRunner().invoke(app, ["tune-kernels", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], result.stderr
+    assert not default_path().exists()
