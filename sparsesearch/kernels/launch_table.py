@@ -75,7 +75,8 @@ def device_configs(table: dict, device_name: str, env: dict[str, str], path: Pat
         return {}
     if not isinstance(entry, dict) or entry.get("env") != env:
         warnings.warn(f"launch table {path}: the entry for {device_name!r} was measured under other versions "
-                      f"({entry.get('env') if isinstance(entry, dict) else entry!r}, now {env}); ignored", stacklevel=2)
+                      f"({entry.get('env') if isinstance(entry, dict) else entry!r}, now {env}); ignored until "
+                      f"`sparsesearch tune-kernels` measures it again", stacklevel=2)
         return {}
     configs = entry.get("configs", {})
     return {key: {name: c[name] for name in TUNED} for key, c in configs.items() if _valid_config(c)}
