@@ -77,6 +77,11 @@ def test_invalid_config_values_are_dropped(tmp_path):
     path = tmp_path / "t.json"
     write_configs(path, GPU, ENV, {"64x128": {**CONFIG, "num_warps": 3}, "64x64": {"TILE_N": 64}, "128x128": CONFIG})
     assert device_configs(read_table(path), GPU, ENV, path) == {"128x128": CONFIG}
+    # An entry whose configs are not a mapping reads as none, and a new tuning replaces it.
+    path.write_text(json.dumps({"schema_version": 1, "devices": {GPU: {"env": ENV, "configs": ["x"]}}}))
+    assert device_configs(read_table(path), GPU, ENV, path) == {}
+    write_configs(path, GPU, ENV, {"64x128": CONFIG})
+    assert device_configs(read_table(path), GPU, ENV, path) == {"64x128": CONFIG}
 
 
 def test_fastest_keeps_failures_as_rows():

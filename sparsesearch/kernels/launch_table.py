@@ -78,7 +78,9 @@ def device_configs(table: dict, device_name: str, env: dict[str, str], path: Pat
                       f"({entry.get('env') if isinstance(entry, dict) else entry!r}, now {env}); ignored until "
                       f"`sparsesearch tune-kernels` measures it again", stacklevel=2)
         return {}
-    configs = entry.get("configs", {})
+    configs = entry.get("configs")
+    if not isinstance(configs, dict):
+        return {}
     return {key: {name: c[name] for name in TUNED} for key, c in configs.items() if _valid_config(c)}
 
 
@@ -87,8 +89,8 @@ def write_configs(path: Path, device_name: str, env: dict[str, str], configs: di
     sees half a file."""
     table = read_table(path)
     entry = table["devices"].get(device_name)
-    kept = entry.get("configs", {}) if isinstance(entry, dict) and entry.get("env") == env else {}
-    table["devices"][device_name] = {"env": env, "configs": {**kept, **configs}}
+    kept = entry.get("configs") if isinstance(entry, dict) and entry.get("env") == env else None
+    table["devices"][device_name] = {"env": env, "configs": {**(kept if isinstance(kept, dict) else {}), **configs}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
