@@ -10,7 +10,7 @@ from conftest import DEVICE
 from sparsesearch import kernel_tuning
 from sparsesearch.kernels import block_sparse, launch_table
 from sparsesearch.kernels.launch_table import (candidates, config_key, default_path, device_configs, fastest, read_table,
-                                               tuned_config, write_configs)
+                                               write_configs)
 from sparsesearch.search.cost import cache_env
 
 GPU = "Fake GPU 80GB"
@@ -21,10 +21,8 @@ CONFIG = {"TILE_N": 32, "num_warps": 8, "num_stages": 3}
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    tuned_config.cache_clear()
     block_sparse._device_config.cache_clear()
     yield tmp_path
-    tuned_config.cache_clear()
     block_sparse._device_config.cache_clear()
 
 
@@ -112,7 +110,6 @@ def test_device_config_reads_the_table_for_this_gpu(cache_home, monkeypatch):
     assert block_sparse._device_config(64, 128, cuda, False, tuned=False)["TILE_N"] == 64
     assert block_sparse._device_config(64, 64, cuda, False)["num_warps"] == 4  # no entry for d 64
     block_sparse._device_config.cache_clear()
-    tuned_config.cache_clear()
     write_configs(default_path(), GPU, {**cache_env(GPU), "triton": "0.0.1"}, {config_key(64, 128): CONFIG})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -17,12 +17,13 @@ does not take (regions, grid lines, varlen, 128-row blocks, query-space indexes)
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+from ..user_cache import user_cache_dir
 
 SCHEMA_VERSION = 1
 TUNED = ("TILE_N", "num_warps", "num_stages")  # what an entry may set; the rest stays the device default
@@ -32,7 +33,7 @@ STAGE_CHOICES = (1, 2, 3)
 
 
 def default_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsesearch" / "launch_configs.json"
+    return user_cache_dir() / "launch_configs.json"
 
 
 def config_key(block_n: int, head_dim: int) -> str:
@@ -97,10 +98,10 @@ def write_configs(path: Path, device_name: str, env: dict[str, str], configs: di
     os.replace(tmp, path)
 
 
-@functools.cache
 def tuned_config(device_name: str, block_n: int, head_dim: int) -> dict[str, int] | None:
-    """This device's measured config for (block_n, head_dim) from the default table, or None. Read once per process
-    and key: a table written later is seen by the next process."""
+    """This device's measured config for (block_n, head_dim) from the default table, or None. Its caller,
+    block_sparse._device_config, is cached per key, so the table is read once per process and key: a table written
+    later is seen by the next process."""
     from ..search.cost import cache_env
 
     path = default_path()

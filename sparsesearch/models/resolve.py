@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..user_cache import cache_home, user_cache_dir
 from .info import FULL, SLIDING, ModelInfo
 
 SMOLLM2_ALIAS = "smollm2-135m"
@@ -107,9 +108,7 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
+    return cache_home() / "huggingface" / "hub"
 
 
 def file_sha256(path: str | os.PathLike, *, chunk: int = 1 << 22) -> str:
@@ -160,9 +159,7 @@ def _smollm2_path() -> Path:
 def model_cache_dir() -> Path:
     """Where aliases that need assembling keep their files: $XDG_CACHE_HOME/sparsesearch/models, else
     ~/.cache/sparsesearch/models (read at call time)."""
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "sparsesearch" / "models"
+    return user_cache_dir() / "models"
 
 
 def gemma3_path() -> Path:

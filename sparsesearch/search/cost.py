@@ -34,6 +34,7 @@ import torch
 
 from ..patterns._common import causal_entries
 from ..patterns.registry import REGISTRY
+from ..user_cache import user_cache_dir
 
 NOMINAL_FLOPS = 400e12  # a Hopper-class GPU at the kernel efficiency benchmarks/RESULTS.md measures
 # Patterns whose runtime index is estimated per call (grid is not: an estimated stride is a search-time
@@ -158,7 +159,7 @@ class MeasuredCost:
 
     def __init__(self, cache_path: Path | None = None, reps: int = 5, device_name: str | None = None, interpolate: bool = True):
         self.reps, self.interpolate = reps, interpolate
-        self.cache_path = cache_path or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsesearch" / "costs.json"
+        self.cache_path = cache_path or user_cache_dir() / "costs.json"
         self.env = cache_env(device_name)
         stored = self._read()
         self._cache = stored.get("costs", {})
