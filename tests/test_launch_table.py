@@ -47,6 +47,20 @@ def test_round_trip_and_merge(tmp_path):
     assert device_configs(read_table(path), GPU, newer, path) == {"64x64": CONFIG}
 
 
+def test_failed_write_leaves_the_table_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    write_configs(path, GPU, ENV, {"64x128": CONFIG})
+    before = path.read_text()
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(launch_table.os, "replace", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        write_configs(path, GPU, ENV, {"64x64": CONFIG})
+    assert path.read_text() == before and not list(tmp_path.glob(".*.tmp"))
+
+
 @pytest.mark.parametrize("stored_env", [
     {**ENV, "triton": "9.9"},                 # another Triton
     {**ENV, "kernels": "f" * 16},             # older kernels

@@ -87,15 +87,18 @@ def device_configs(table: dict, device_name: str, env: dict[str, str], path: Pat
 
 def write_configs(path: Path, device_name: str, env: dict[str, str], configs: dict[str, dict]) -> None:
     """Record a device's tuned configs (merged over its entry when that has the same env), atomically: a reader never
-    sees half a file."""
+    sees half a file, and a failed write leaves no temporary behind."""
     table = read_table(path)
     entry = table["devices"].get(device_name)
     kept = entry.get("configs") if isinstance(entry, dict) and entry.get("env") == env else None
     table["devices"][device_name] = {"env": env, "configs": {**(kept if isinstance(kept, dict) else {}), **configs}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def tuned_config(device_name: str, block_n: int, head_dim: int) -> dict[str, int] | None:
