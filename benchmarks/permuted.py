@@ -46,6 +46,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.timing import call_ms, cuda_clock
+from sparsesearch.files import write_json_atomic
 from sparsesearch.index import BlockIndex, explicit_lines
 from sparsesearch.kernels import block_sparse_attention, region_maps
 from sparsesearch.kernels.region_runs import fold_runs
@@ -300,10 +301,7 @@ def main() -> None:
     rows = run(args)
     slug = re.sub(r"[^a-z0-9]+", "_", rows[0]["device"].lower()).strip("_") if rows else "none"
     path = args.out or Path("benchmarks/results") / f"permuted_{slug}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=1) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, rows, end="\n", indent=1)
     print(f"{len(rows)} rows -> {path} in {time.time() - started:.0f} s")
     print(f"{'case':30s} {'N':>7s} {'dens':>6s} {'ours ms':>9s} {'plain ms':>9s} {'gath/cover':>10s} {'ovh':>7s} {'eff':>5s} {'SDPA ms':>9s} {'idx ms':>7s} {'chk ms':>7s} {'err':>8s}")
     for r in rows:

@@ -22,7 +22,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 
 from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, window_params, window_row
 from .artifacts.summary import effective_densities
+from .files import write_json_atomic
 from .patterns import PARAMS
 from .search.cost import cost_model_for
 from .patterns.dense import DenseParams
@@ -198,9 +198,8 @@ def _scored_from_json(data: dict) -> tuple[list[Scored], torch.Tensor, Timings]:
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, sort_keys=True))
-    os.replace(tmp, path)
+    """A partial-state file, sorted keys, whole or not at all: a killed run resumes from whole files only."""
+    write_json_atomic(path, payload, sort_keys=True)
 
 
 def _prepare_workdir(cfg: CalibrateConfig, fingerprint: str) -> tuple[Path, str]:

@@ -175,7 +175,7 @@ def test_existing_artifacts_are_kept_unless_overwrite(tmp_path):
     assert (tmp_path / "empty" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("fail_at", ["_write_file", "_swap_in"])
+@pytest.mark.parametrize("fail_at", ["write_bytes_synced", "_swap_in"])
 def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch, fail_at):
     real = getattr(art_io, fail_at)
     calls = []

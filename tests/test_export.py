@@ -192,7 +192,7 @@ def test_single_file_outputs_refuse_directories_and_write_atomically(tmp_path, m
     def fail(*args, **kwargs):
         raise OSError("replace failed (simulated)")
 
-    monkeypatch.setattr("sparsesearch.export._common.os.replace", fail)
+    monkeypatch.setattr("sparsesearch.files.os.replace", fail)
     with pytest.raises(OSError, match="simulated"):
         write_file_atomic(target, b"new")
     assert target.read_text() == "old"

@@ -55,7 +55,7 @@ def test_failed_write_leaves_the_table_and_no_temporary(tmp_path, monkeypatch):
     def refuse(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(launch_table.os, "replace", refuse)
+    monkeypatch.setattr("sparsesearch.files.os.replace", refuse)
     with pytest.raises(OSError, match="disk full"):
         write_configs(path, GPU, ENV, {"64x64": CONFIG})
     assert path.read_text() == before and not list(tmp_path.glob(".*.tmp"))

@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..files import fsync_dir, write_bytes_synced
 from ..models.info import ModelInfo
 from .columns import ADDED_COLUMNS, HEADS_SCHEMA
 from .migrations import manifest_version, migrate
@@ -243,8 +244,9 @@ def write_artifact(path, manifest: dict, tables: dict, *, overwrite: bool = Fals
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets the usual permissions
         for name, data in blobs.items():
-            _write_file(tmp / name, data)
-        _write_file(tmp / MANIFEST, payload)
+            write_bytes_synced(tmp / name, data)
+        write_bytes_synced(tmp / MANIFEST, payload)
+        fsync_dir(tmp)  # the files' names, as their bytes, are on disk before the directory is renamed in
         _swap_in(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -256,13 +258,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _swap_in(tmp: Path, target: Path) -> None:
@@ -281,6 +276,7 @@ def _swap_in(tmp: Path, target: Path) -> None:
         if target.is_dir():
             os.rmdir(target)  # empty directory: take its place
         os.rename(tmp, target)
+    fsync_dir(target.parent)  # the rename survives a crash
 
 
 # ------------------------------------------------------------------------------------------------ load

