@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, probe_layers, spava, sweep_nosa, sweep_spava, tune_kernels, validate
+from . import calibrate, check, diff, evaluate, export, import_minference, inspect, pareto, probe_layers, spava, sweep_nosa, sweep_spava, tune_kernels, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -16,6 +16,7 @@ app = typer.Typer(
 app.command("calibrate")(calibrate.calibrate)
 app.command("check")(check.check)
 app.command("evaluate")(evaluate.evaluate)
+app.command("pareto")(pareto.pareto)
 app.command("probe-layers")(probe_layers.probe_layers)
 app.command("inspect")(inspect.inspect)
 app.command("validate")(validate.validate)

@@ -1,0 +1,99 @@
+"""`sparsesearch pareto`: searched artifacts against one-size baselines on the same held-out windows."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+
+
+def _floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@exits_cleanly
+def pareto(
+    artifact: Annotated[Optional[list[Path]], typer.Option("--artifact", help="A searched artifact to place on the curve (repeat for a budget sweep).")] = None,
+    model: Annotated[str, typer.Option(help="The model (alias, directory, hub id, .gguf); every artifact must be made for it.")] = "smollm2-135m",
+    baselines: Annotated[str, typer.Option(help="One-size families, comma-separated: ashape, vertical_slash, block_topk, triangle, duo, dense ('' for none).")] = "ashape,vertical_slash,block_topk,triangle,duo,dense",
+    budgets: Annotated[str, typer.Option(help="Each family's budgets as fractions of dense attention cost, in (0, 1].")] = "0.3,0.5,0.7",
+    data: Annotated[str, typer.Option(help="Held-out data every point is measured on (text:shakespeare: the held-out plays; synthetic:passkey adds retrieval counts).")] = "text:shakespeare",
+    samples: Annotated[int, typer.Option(help="Held-out windows.")] = 1,
+    tokens: Annotated[int, typer.Option(help="Window length in tokens.")] = 4096,
+    seed: Annotated[int, typer.Option(help="Seed of the held-out windows.")] = 0,
+    triangle_start: Annotated[Optional[int], typer.Option(help="Probed TriangleMix start layer (default: an artifact's own, if any).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto.json and pareto.png.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.partial/).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a report already at --out.")] = False,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: DeviceOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Quality (teacher-forced KL, perplexity, retrieval) against attention cost for searched artifacts
+    and one-size baselines, through the same runtime and kernels, on the same held-out windows; says per
+    baseline point whether the searched curve beats it (KL <= 0.7x at equal cost, or cost <= 0.8x at equal KL).
+
+    Example: sparsesearch pareto --artifact artifacts/smollm2-135m --tokens 4096 --out artifacts/pareto-smollm2
+    """
+    from sparsesearch.pareto import ParetoConfig, Progress, pareto as run, preflight
+
+    cfg = ParetoConfig(model=model, artifacts=list(artifact or []), baselines=_names(baselines), budgets=_floats(budgets, "--budgets"),
+                       data=data, samples=samples, tokens=tokens, seed=seed, triangle_start=triangle_start, out=out,
+                       overwrite=overwrite, resume=resume, device=device, dtype=dtype)
+    checked = preflight(cfg)  # bad input: one line, before any weights load
+    report = run(cfg, _progress(), checked=checked)
+    if json_out:
+        print_json(report)
+        return
+    _render(report)
+
+
+def _progress():
+    """Stage lines and per-point lines with an ETA on stderr: plain lines, readable in a log as on a terminal."""
+    from sparsesearch.pareto import Progress
+
+    started = {"t": time.perf_counter()}
+
+    def stage(name: str) -> None:
+        err_console.print(f"[dim]·[/dim] {name}", highlight=False)
+        started["t"] = time.perf_counter()
+
+    def point(done: int, total: int, label: str) -> None:
+        spent = time.perf_counter() - started["t"]
+        eta = f", about {spent / done * (total - done):.0f} s left" if done else ""
+        err_console.print(f"  point {done + 1}/{total}: {label} ({spent:.0f} s{eta})", highlight=False)
+
+    return Progress(stage=stage, point=point)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _render(report: dict) -> None:
+    table = Table(title=f"{report['model']}: {report['samples']} x {report['tokens']} tokens of {report['data']}")
+    for name, justify in (("family", "left"), ("point", "left"), ("cost", "right"), ("KL", "right"), ("ppl", "right"), ("verdict", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    verdict = {(v["family"], v["label"]): v for v in report["verdicts"]}
+    for r in sorted(report["rows"], key=lambda r: (r["family"] != "searched", r["family"], r["cost_fraction"])):
+        v = verdict.get((r["family"], r["label"]))
+        note = "" if v is None else v["verdict"] + ("" if v["kl_ratio"] is None else f" ({v['kl_ratio']:.2f}x KL)")
+        table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"), note)
+    out_console.print(table)
+    dense = next((r["ppl_dense"] for r in report["rows"] if r["ppl_dense"] is not None), None)
+    out_console.print(f"cost: {report['cost_model']} attention time as a fraction of dense; dense perplexity {_fmt(dense, '.2f')}; "
+                      f"{report['seconds']:.0f} s", highlight=False)
+    for name, path in (report.get("files") or {}).items():
+        out_console.print(f"{name}: {path}", highlight=False)

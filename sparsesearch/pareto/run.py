@@ -1,0 +1,295 @@
+"""`sparsesearch pareto`: searched artifacts against one-size baselines, quality vs attention cost.
+
+model + held-out windows -> one dense reference (fidelity.held_out_reference) -> per point (every given
+artifact, every baseline family at every budget, pareto/baselines.py):
+- cost: the post-RoPE q/k/v of every layer of each window (one capture forward per window), run through the
+  plan the runtime builds from the point's artifact (pareto/cost.py: GPU timed against SDPA, CPU the cost
+  model), summed over layers and windows, over the same sum for dense;
+- quality: the point through the sparse runtime on the same windows against the one dense run
+  (fidelity.evaluate_against: teacher-forced KL and perplexity over every position, retrieval counts where
+  the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's).
+Then the verdict per baseline point (pareto/dominance.py) and the files: rows (Parquet), report (JSON), a
+PNG of KL vs cost with one line per family.
+
+Resume: each point's quality is kept in ``OUT.partial/`` under a key of the run's settings and the point's
+own rows, so a killed run re-measures only the points it had not finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .baselines import DEFAULT_BUDGETS, FAMILIES, Point, baseline_points, check_budgets, check_families
+
+STREAM_ORDER_DATA = "text:shakespeare"  # the calibration part (never the held-out plays) ranks duo's heads
+
+
+@dataclass
+class ParetoConfig:
+    model: str = "smollm2-135m"
+    artifacts: list[Path] = field(default_factory=list)
+    baselines: list[str] = field(default_factory=lambda: list(FAMILIES))
+    budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    data: str = "text:shakespeare"
+    samples: int = 1
+    tokens: int = 4096
+    seed: int = 0
+    calibration_data: str = STREAM_ORDER_DATA
+    triangle_start: int | None = None
+    out: Path | None = None
+    overwrite: bool = False
+    resume: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass
+class Progress:
+    """Callbacks a front end may set: stage names, and per-point ticks (done, total, label)."""
+
+    stage: Callable[[str], None] = lambda name: None
+    point: Callable[[int, int, str], None] = lambda done, total, label: None
+
+
+def preflight(cfg: ParetoConfig):
+    """Every check the arguments, the paths and the model's config allow, before any weights load (one
+    ValueError line each). Returns (model info, loaded artifacts)."""
+    from .. import preflight as check
+    from ..artifacts import load_artifact
+    from ..fidelity import check_options
+
+    check_families(cfg.baselines)
+    check_budgets(cfg.budgets)
+    if not cfg.artifacts and not cfg.baselines:
+        raise ValueError("nothing to compare: give --artifact or at least one --baselines family")
+    info = check.model_info(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    check.tokens_fit("--tokens", cfg.tokens, info)
+    check_options(samples=cfg.samples, tokens=cfg.tokens, min_tokens=1)
+    check.data("--data", cfg.data, tokens=cfg.tokens, held_out=True)
+    if "duo" in cfg.baselines:
+        check.data("--calibration-data", cfg.calibration_data, tokens=cfg.tokens)
+    if cfg.triangle_start is not None and cfg.triangle_start not in info.global_layers:
+        raise ValueError(f"--triangle-start {cfg.triangle_start} is not a global layer of '{info.id}' (global layers: "
+                         f"{list(info.global_layers)[0]}..{list(info.global_layers)[-1]})")
+    if cfg.out is not None:
+        _check_out(cfg.out, cfg.overwrite)
+    return info, [(Path(p), load_artifact(p, model_info=info)) for p in cfg.artifacts]
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if (out / "pareto.json").is_file() and not overwrite:
+        raise FileExistsError(f"--out {out} already holds a Pareto report; pass --overwrite to replace it or choose another --out")
+    if (out / "manifest.json").is_file():
+        raise ValueError(f"--out {out} is an artifact directory; a Pareto report goes in a directory of its own")
+
+
+def artifact_point(path: Path, art) -> Point:
+    """A given artifact as a searched point (its TriangleMix section and sliding rows included)."""
+    rows = art.head_rows()
+    return Point("searched", path.name, None, f"artifact {path}", art.manifest, rows, searched=True)
+
+
+def probed_start(cfg: ParetoConfig, artifacts) -> int | None:
+    """--triangle-start, else the start layer a given artifact's probe chose."""
+    if cfg.triangle_start is not None:
+        return cfg.triangle_start
+    for _, art in artifacts:
+        tri = (art.manifest.get("methods") or {}).get("trianglemix") or {}
+        if tri.get("start_layer") is not None:
+            return int(tri["start_layer"])
+    return None
+
+
+def stream_order(model, tokenizer, info, cfg: ParetoConfig) -> list[tuple[int, int]]:
+    """(layer, KV head) of the global layers, lowest streaming (A-shape sink 64 / local 256) output error
+    first, on one calibration window: DuoAttention's head split without its training."""
+    import torch
+
+    from ..data import load_calibration
+    from ..models import capture_qkv
+    from ..search.cost import AnalyticCost
+    from ..search.layer import Timings, dense_reference, score_candidate
+    from ..search.space import Candidate
+    from .baselines import BLOCK, STREAM
+
+    sample = load_calibration(cfg.calibration_data, tokenizer, max_tokens=cfg.tokens, samples=1, seed=cfg.seed)[0]
+    errors: dict[tuple[int, int], float] = {}
+
+    def on_layer(layer, cap) -> None:
+        scale = cap.scale if cap.scale is not None else cap.q.shape[-1] ** -0.5
+        ref_out, ref_lse = dense_reference(cap.q, cap.k, cap.v, "kv", BLOCK, scale)
+        scored = score_candidate(Candidate("ashape", {"sink": STREAM.sink, "local": STREAM.local}), STREAM, cap.q, cap.k, cap.v,
+                                 ref_out, ref_lse, "kv", BLOCK, BLOCK, scale, AnalyticCost(), Timings())
+        for head, err in enumerate(scored.error.tolist()):
+            errors[(layer, head)] = err
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        capture_qkv(model, sample.input_ids[None].to(device), layers=list(info.global_layers), on_layer=on_layer,
+                    to_cpu=device.type != "cuda", info=info)
+    return sorted(errors, key=lambda key: (errors[key], key))
+
+
+def measure_costs(model, info, points: list[Point], reference) -> list[dict]:
+    """Per point {cost_fraction, attention_density, cost_model} over every layer of every reference window."""
+    import pandas as pd
+    import torch
+
+    from ..fidelity import sequence_ids
+    from ..models import capture_qkv
+    from ..runtime.plan import build_plan
+    from ..runtime.run import Runner
+    from .cost import layer_cost
+
+    plans = [build_plan(p.manifest, pd.DataFrame(p.rows), info, min_tokens=1) for p in points]
+    runners = [Runner(plan) for plan in plans]
+    sums = [[0.0, 0.0, 0.0, 0] for _ in points]  # sparse ms, dense ms, density sum, layers
+    device = next(model.parameters()).device
+
+    def on_layer(layer, cap) -> None:
+        for plan, runner, acc in zip(plans, runners, sums):
+            sparse, dense, density = layer_cost(runner, plan.layer(layer), cap.q, cap.k, cap.v, cap.scale, plan.head_space)
+            acc[0] += sparse
+            acc[1] += dense
+            acc[2] += density
+            acc[3] += 1
+
+    with torch.no_grad():
+        for sample in reference.samples:
+            capture_qkv(model, sequence_ids(sample)[None].to(device), on_layer=on_layer, to_cpu=device.type != "cuda", info=info)
+    kind = "measured" if device.type == "cuda" else "analytic"
+    return [{"cost_fraction": round(s / d, 6), "attention_density": round(ds / max(1, n), 6), "cost_model": kind,
+             "attention_ms": round(s, 4), "dense_attention_ms": round(d, 4)} for s, d, ds, n in sums]
+
+
+def read_json_if_valid(path: Path) -> dict | None:
+    """A kept JSON object, or None when it is missing or not whole (a run killed mid-write of an older
+    version; our own writes are whole or absent)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _fingerprint(cfg: ParetoConfig, info) -> str:
+    settings = {"model": info.revision or info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _point_key(fingerprint: str, point: Point) -> str:
+    """The run's settings and what the point runs (its rows and methods), not its label."""
+    body = {"rows": point.rows, "methods": point.manifest.get("methods"), "run": fingerprint}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def quality(model, tokenizer, point: Point, reference, work: Path | None, key: str) -> dict:
+    """``evaluate_against`` for the point (every length sparse), read from / kept in ``work`` by key."""
+    from ..files import write_json_atomic
+    from ..fidelity import evaluate_against
+
+    cached = work / f"{key}.json" if work is not None else None
+    if cached is not None and (found := read_json_if_valid(cached)) is not None:
+        return found
+    result = evaluate_against(model, tokenizer, point.manifest, point.rows, reference, min_tokens=1)
+    if cached is not None:
+        write_json_atomic(cached, result, sort_keys=True)
+    return result
+
+
+def point_row(point: Point, cost: dict, fid: dict) -> dict:
+    """The Parquet/JSON row of one measured point."""
+    tf = fid.get("teacher_forced") or {}
+    ret = fid.get("retrieval") or {}
+    return {
+        "family": point.family, "label": point.label, "searched": point.searched, "budget": point.budget,
+        "setting": point.setting, **cost, "kl": tf.get("kl_mean"), "ppl_dense": tf.get("ppl_dense"),
+        "ppl_sparse": tf.get("ppl_sparse"), "next_token_kl": fid.get("next_token_kl"), "tokens": tf.get("tokens"),
+        "dense_correct": ret.get("dense_correct"), "sparse_correct": ret.get("sparse_correct"), "retrieval_n": ret.get("n"),
+        "retrieval_verdict": ret.get("verdict"),
+    }
+
+
+def _work_dir(cfg: ParetoConfig, fingerprint: str) -> Path | None:
+    """OUT.partial/ (kept until the report is written); without --resume any old one is dropped."""
+    if cfg.out is None:
+        return None
+    from ..files import write_json_atomic
+
+    work = cfg.out.with_name(cfg.out.name + ".partial")
+    state = read_json_if_valid(work / "state.json") if work.is_dir() else None
+    if cfg.resume and state is not None and state.get("fingerprint") != fingerprint:
+        raise ValueError(f"--resume: {work} was started with other settings (model, data, samples, tokens or seed); drop --resume to start over")
+    if not cfg.resume and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(work / "state.json", {"fingerprint": fingerprint}, sort_keys=True)
+    return work
+
+
+def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None) -> dict:
+    """Run the comparison (module docstring). checked: what ``preflight(cfg)`` returned when the caller ran
+    it already. Returns the report: settings, rows, verdicts, and the files written."""
+    from ..fidelity import held_out_reference
+    from ..models import load_model
+    from .dominance import verdicts
+
+    progress = progress or Progress()
+    info, artifacts = checked or preflight(cfg)
+    progress.stage("loading model")
+    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    started = time.perf_counter()
+    progress.stage(f"dense reference on {cfg.samples} held-out window(s) of {cfg.tokens} tokens")
+    reference = held_out_reference(model, tokenizer, data=cfg.data, samples=cfg.samples, tokens=cfg.tokens, seed=cfg.seed)
+    order = None
+    if "duo" in cfg.baselines:
+        progress.stage("ranking heads by streaming error (duo baseline)")
+        order = stream_order(model, tokenizer, info, cfg)
+    points = [artifact_point(p, a) for p, a in artifacts]
+    points += baseline_points(info, cfg.tokens, cfg.baselines, cfg.budgets, triangle_probed=probed_start(cfg, artifacts), stream_order=order)
+    progress.stage(f"attention cost of {len(points)} points")
+    costs = measure_costs(model, info, points, reference)
+    fingerprint = _fingerprint(cfg, info)
+    work = _work_dir(cfg, fingerprint)
+    rows = []
+    for i, (point, cost) in enumerate(zip(points, costs)):
+        progress.point(i, len(points), point.label)
+        rows.append(point_row(point, cost, quality(model, tokenizer, point, reference, work, _point_key(fingerprint, point))))
+    report = {
+        "model": info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed,
+        "device": str(next(model.parameters()).device), "cost_model": costs[0]["cost_model"] if costs else None,
+        "seconds": round(time.perf_counter() - started, 1), "rows": rows, "verdicts": verdicts(rows),
+    }
+    if cfg.out is not None:
+        progress.stage("writing report")
+        report["files"] = write_report(cfg.out, report, info)
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def write_report(out: Path, report: dict, info) -> dict:
+    """pareto.parquet (rows), pareto.json (the report), pareto.png (KL vs cost), each whole or not at all."""
+    import pandas as pd
+
+    from ..files import atomic_path, write_json_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"rows": str(out / "pareto.parquet"), "report": str(out / "pareto.json")}
+    with atomic_path(out / "pareto.parquet") as tmp:
+        pd.DataFrame(report["rows"]).to_parquet(tmp, index=False)
+    try:
+        from ..report.pareto_plot import draw_pareto
+
+        files["plot"] = str(draw_pareto(report, info, out / "pareto.png"))
+    except ImportError:  # matplotlib missing: the numbers stand without their picture
+        pass
+    write_json_atomic(out / "pareto.json", {**report, "files": files}, indent=1, sort_keys=True)
+    return files

@@ -1,0 +1,44 @@
+"""PNG of a Pareto report (sparsesearch/pareto): teacher-forced KL vs attention cost (fraction of dense),
+one line per family through its budgets, the searched artifacts as one line of their own (their frontier
+with the dense anchor), each point labelled. KL on a log axis: families span orders of magnitude."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import save_png
+
+STYLE = {  # family -> (colour, marker)
+    "searched": ("tab:red", "*"), "ashape": ("tab:blue", "o"), "vertical_slash": ("tab:green", "s"),
+    "block_topk": ("tab:orange", "D"), "triangle": ("tab:purple", "^"), "duo": ("tab:brown", "v"), "dense": ("black", "X"),
+}
+KL_FLOOR = 1e-6  # dense's KL 0 drawn here on the log axis
+
+
+def draw_pareto(report: dict, info, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    rows = [r for r in report["rows"] if r["kl"] is not None]
+    for family in [f for f in STYLE if any(r["family"] == f for r in rows)]:
+        mine = sorted((r for r in rows if r["family"] == family), key=lambda r: r["cost_fraction"])
+        colour, marker = STYLE[family]
+        xs, ys = [r["cost_fraction"] for r in mine], [max(KL_FLOOR, r["kl"]) for r in mine]
+        ax.plot(xs, ys, marker=marker, color=colour, linewidth=2.2 if family == "searched" else 1.2,
+                markersize=11 if family == "searched" else 6, label=family)
+        for r, x, y in zip(mine, xs, ys):
+            ax.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points", color=colour)
+    ax.set_yscale("log")
+    ax.set(xlabel=f"attention cost / dense ({report.get('cost_model')}, index builds included)",
+           ylabel="teacher-forced KL(dense || sparse), every position")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    beaten = sum(v["verdict"] == "beaten" for v in report.get("verdicts", []))
+    judged = sum(v["verdict"] in ("beaten", "not beaten") for v in report.get("verdicts", []))
+    ax.set_title(f"{info.id}, {report['samples']} x {report['tokens']} tokens of {report['data']} on {report['device']}: "
+                 f"searched beats {beaten}/{judged} baseline points", fontsize=9)
+    fig.tight_layout()
+    return save_png(fig, path)
