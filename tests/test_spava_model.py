@@ -150,7 +150,7 @@ def test_exact_engine_falls_back_with_the_reason(one_process_group):
     assert reason is not None  # no sharding rule for the CPU SDPA kernels in this torch
     assert F.scaled_dot_product_attention is sdpa  # a failed probe leaves SDPA as it was (torch 2.11 did not)
     assert exact_engine(reason, 256, 1, sliding=False) == ("zigzag-ring", reason)
-    assert exact_engine(None, 256, 2, sliding=True)[0] == "zigzag-ring"
+    assert exact_engine(None, 256, 2, sliding=True)[0] == "torch-cp+sliding-ring"  # sliding layers ride our ring (test_spava_cp.py)
     engine, why = exact_engine(None, 250, 2, sliding=False)
     assert engine == "zigzag-ring" and "divisible by 2W = 4" in why
     assert exact_engine(None, 256, 2, sliding=False) == ("torch-cp", None)

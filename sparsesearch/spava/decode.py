@@ -44,7 +44,7 @@ from .attention import QUERY_OWNER
 from .comm import Collectives
 from .exact import zigzag_positions
 from .fused import as_engine
-from .model import RankContext, attach, attention_windows, detach, tail_logits
+from .model import RankContext, attach, attention_seconds, attention_windows, detach, tail_logits
 
 SAMPLER = QUERY_OWNER  # samples the next token and holds the generated tokens' K/V (it owns the query too)
 DECODERS = ("distributed", "gather")
@@ -227,7 +227,7 @@ def distributed_decode(model, ctx: RankContext, last_logits: torch.Tensor, steps
         detach(model)
     broadcast = (steps - 1) * first.numel() * first.element_size() * (world - 1) if rank == dst else 0
     ctx.stats.update(decode_steps_s=time.perf_counter() - start, decode_bytes_sent=dec.stats.get("bytes_sent", 0) + broadcast,
-                     decode_attention_s=dec.stats.get("attention_s", 0.0))
+                     decode_attention_s=attention_seconds(dec.stats))
     step_logits = _stack_logits(logits, first, last_logits.shape[-1]) if rank == dst else None
     return torch.stack(out, dim=1), step_logits, shards
 

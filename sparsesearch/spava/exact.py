@@ -8,7 +8,11 @@ fallback runs: a zigzag ring on the same process group (ring-flash-attention's l
 into 2W chunks, rank r holds chunks r and 2W-1-r; K/V travel round the ring in W-1 steps while each
 rank attends to the block it holds, partials merged by lse). Which one ran is reported.
 
-The fallback also serves sliding-window layers (window=), exactly.
+The ring also serves sliding-window layers (window=), exactly: under torch CP a hybrid model's (Gemma 3)
+global layers go through torch's ring and its sliding layers through ours on the same shards, which are
+the zigzag layout (torch's head-tail load balancer cuts the sequence into 2W chunks and gives rank r
+chunks r and 2W-1-r; ``check_zigzag_shard`` holds it to that). Engine names: ``TORCH_CP``,
+``TORCH_CP_SLIDING_RING`` (that hybrid) and ``ZIGZAG_RING``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from ..merge import merge_two
 from ..reference import masked_attention
 from .comm import Collectives, Exchange
 from .fused import Engine, as_engine
+
+TORCH_CP = "torch-cp"
+TORCH_CP_SLIDING_RING = "torch-cp+sliding-ring"  # global layers torch CP, sliding layers our ring on torch's shards
+ZIGZAG_RING = "zigzag-ring"
 
 
 def zigzag_chunks(n: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -155,12 +163,21 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def probe_inputs(n: int, device: torch.device) -> list[torch.Tensor]:
+    """q, k, v [1, 2, n, 16] of the probe, the same on every rank whatever each rank's RNG did before: each rank
+    compares its shard of torch CP's output with its own dense SDPA, which is only the same function when
+    every rank holds the same tensors (unseeded, a 2-GPU `spava run` refused torch CP as 'disagreeing')."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return [torch.randn(1, 2, n, 16, generator=g).to(device, dtype) for _ in range(3)]
+
+
 def torch_cp_support(device: torch.device, group=None) -> str | None:
     """None when torch's context_parallel runs causal SDPA on this device and group, else the reason it does not."""
     world = dist.get_world_size(group)
     try:
         n = 16 * world
-        t = [torch.randn(1, 2, n, 16, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32) for _ in range(3)]
+        t = probe_inputs(n, device)
         want = cp_attention(*t, 0.25)
         with torch_context_parallel(n, device, group) as pos:
             got = cp_attention(*(x[:, :, pos] for x in t), 0.25)
@@ -172,11 +189,21 @@ def torch_cp_support(device: torch.device, group=None) -> str | None:
 
 
 def exact_engine(cp_reason: str | None, n: int, world: int, sliding: bool) -> tuple[str, str | None]:
-    """Which exact baseline runs a prompt of n tokens: ("torch-cp", None) or ("zigzag-ring", why not torch CP)."""
+    """Which exact baseline runs a prompt of n tokens: (TORCH_CP or TORCH_CP_SLIDING_RING, None) where torch CP
+    runs, else (ZIGZAG_RING, why not torch CP). sliding: the model has sliding-window layers (they ride our
+    ring on torch's shards, so torch CP still serves its global layers)."""
     if cp_reason is not None:
-        return "zigzag-ring", cp_reason
-    if sliding:
-        return "zigzag-ring", "torch context_parallel has no sliding-window attention (hybrid model)"
+        return ZIGZAG_RING, cp_reason
     if n % (2 * world):
-        return "zigzag-ring", f"torch context_parallel needs the length divisible by 2W = {2 * world}; got {n}"
-    return "torch-cp", None
+        return ZIGZAG_RING, f"torch context_parallel needs the length divisible by 2W = {2 * world}; got {n}"
+    return (TORCH_CP_SLIDING_RING if sliding else TORCH_CP), None
+
+
+def check_zigzag_shard(pos: torch.Tensor, n: int, world: int, rank: int) -> None:
+    """ValueError unless torch CP's shard of 0..n-1 on this rank (pos long [N_r]) is the zigzag ring's: the
+    sliding layers under TORCH_CP_SLIDING_RING pass K/V round our ring, which assumes every rank holds
+    chunks r and 2W-1-r. A torch whose load balancer shards otherwise is refused, not silently wrong."""
+    want = zigzag_positions(n, world, rank)
+    if pos.tolist() != want:
+        raise ValueError(f"torch context_parallel's shard on rank {rank} is not the zigzag layout our sliding-window ring needs "
+                         f"(first positions {pos[:4].tolist()}, expected {want[:4]}); run without torch CP")

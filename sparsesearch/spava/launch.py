@@ -50,6 +50,14 @@ def preflight(cfg: SpavaConfig) -> None:
     check.data("--data", None if cfg.data == "text" else cfg.data)
 
 
+def triton_mode(backend: str) -> dict:
+    """TRITON_INTERPRET for the ranks: the interpreter on gloo (CPU tensors: the decode's kernel path runs there
+    only interpreted), compiled kernels on NCCL (interpreting them on GPUs would time the interpreter); a value
+    set by the caller is kept either way."""
+    default = "1" if backend == "gloo" else "0"
+    return {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", default)}
+
+
 _RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*(\w*(Error|Exception)\b.*)$")
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+).*?traceback\s*:\s*([^\n]*)", re.S)
 
@@ -87,7 +95,7 @@ def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | No
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                "-m", "sparsesearch.spava", "--config", json.dumps(asdict(cfg)), "--result", str(result)]
         env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc))),
-                        TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+                        **triton_mode(check_backend(cfg.backend, cfg.nproc)))
         with open(log_file, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:

@@ -9,9 +9,14 @@ every attention module of the text model (the way runtime/hf.py hands its Runner
 Modes: "decode" (one new token per step over this rank's kept keys, decode.py), "spava" (the approximate attention, local sequence [anchor ; block_r ; block_{2W-1-r} ; query]),
 "ring" (exact zigzag ring attention over the zigzag sharding, exact.py) and "torch_cp" (exact: torch's own
 context parallelism — the forward runs inside ``exact.torch_context_parallel``, which shards the positions,
-and each layer calls causal SDPA, which torch turns into its ring attention). A hybrid model's
-sliding-window layers run exactly in both modes: under SPAVA each rank all-gathers the last `window`
-keys of every virtual host's block (a halo), enough for every local row's window (sliding.py).
+and each global layer calls causal SDPA, which torch turns into its ring attention). A hybrid model's
+sliding-window layers run exactly in every mode: under SPAVA each rank all-gathers the last `window`
+keys of every virtual host's block (a halo), enough for every local row's window (sliding.py); under
+"ring" and "torch_cp" they go round our zigzag ring with the window applied (torch CP has no windowed
+attention; its load-balanced shard is the zigzag layout, which ``exact.check_zigzag_shard`` checks).
+
+Attention time per rank: each call is timed on the host (CPU tensors) or between two CUDA events on the
+current stream (GPU tensors: the host clock would see only the launches); ``attention_seconds`` sums both.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import torch.distributed as dist
 
 from .attention import spava_attention
 from .exact import cp_attention, ring_attention, zigzag_positions
+from .fused import Engine
 from .layout import Layout
 
 ATTN_NAME = "sparsesearch_spava"
+# One engine for every layer and prefill of the process: its dense indices are cached per piece shape, so a
+# model's layers (and the timed prefills after an untimed one) build each once instead of once per call.
+ENGINE = Engine("auto")
 _CTX = "_sparsesearch_spava_ctx"
 
 
@@ -70,25 +79,54 @@ def spava_hf_attention(module, query, key, value, attention_mask, dropout: float
     rank = dist.get_rank(ctx.group)
     if ctx.kept is not None:  # the local KV a decode needs; references, no copy (the layer made them)
         ctx.kept[module.layer_idx] = (key, value)
-    start = time.perf_counter()
+    clock = _start_clock(query)
     if ctx.mode == "decode":
         from .decode import decode_attention
 
         out = decode_attention(query, key, value, ctx.shards[module.layer_idx], int(ctx.pos[0]), scale, window, ctx.group, ctx.stats)
-    elif ctx.mode == "torch_cp":
-        if window is not None:
-            raise ValueError("torch context_parallel has no sliding-window attention; run the zigzag ring (exact_engine)")
+    elif ctx.mode == "torch_cp" and window is None:
         out = cp_attention(query, key, value, scale)
-    elif ctx.mode == "ring":
-        out = ring_attention(query, key, value, ctx.pos.to(query.device), ctx.n, scale, ctx.group, window=window, stats=ctx.stats)
+    elif ctx.mode in ("ring", "torch_cp"):  # torch_cp's sliding layers: our ring on torch's (zigzag) shard
+        out = ring_attention(query, key, value, ctx.pos.to(query.device), ctx.n, scale, ctx.group, window=window, stats=ctx.stats, engine=ENGINE)
     elif window is not None:
         from .sliding import sliding_attention
 
         out = sliding_attention(query, key, value, ctx.layout, rank, scale, window, ctx.group, stats=ctx.stats)
     else:
-        out = spava_attention(query, key, value, ctx.layout, rank, scale, ctx.group, stats=ctx.stats)
-    ctx.stats["attention_s"] = ctx.stats.get("attention_s", 0.0) + time.perf_counter() - start
+        out = spava_attention(query, key, value, ctx.layout, rank, scale, ctx.group, stats=ctx.stats, engine=ENGINE)
+    _stop_clock(ctx.stats, clock)
     return out.transpose(1, 2), None
+
+
+def _start_clock(query: torch.Tensor):
+    """A start mark for one attention call: a recorded CUDA event for GPU tensors, else the host clock."""
+    if query.is_cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _stop_clock(stats: dict, start) -> None:
+    """Close the call started at `start`: host seconds into stats["attention_s"], or the (start, end) event pair
+    into stats["attention_events"], read later by attention_seconds (reading now would synchronize per layer)."""
+    if isinstance(start, float):
+        stats["attention_s"] = stats.get("attention_s", 0.0) + time.perf_counter() - start
+        return
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    stats.setdefault("attention_events", []).append((start, end))
+
+
+def attention_seconds(stats: dict) -> float:
+    """Seconds this rank spent in attention calls so far: host-timed calls plus the GPU time between each CUDA
+    event pair (waits for a peer's data included). Folds the pairs into stats["attention_s"] (synchronizing
+    on the last one), so calling it twice counts nothing twice."""
+    events = stats.pop("attention_events", [])
+    if events:
+        events[-1][1].synchronize()
+        stats["attention_s"] = stats.get("attention_s", 0.0) + sum(a.elapsed_time(b) for a, b in events) / 1e3
+    return stats.get("attention_s", 0.0)
 
 
 def has_sliding_layers(model) -> bool:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..files import write_json_atomic
 from .layout import Layout, check_lengths
-from .model import RankContext, tail_logits
+from .model import RankContext, attention_seconds, tail_logits
 
 
 PROGRESS = "spava-progress"  # rank 0's stdout marker: "spava-progress <done> <total>"
@@ -145,52 +145,78 @@ def decode_fields(stats: dict, how: str, steps: int, seconds: float) -> dict:
             "decode_attention_s_per_token": _max_over_ranks(stats.get("decode_attention_s", 0.0), None) / per if per else None}
 
 
+def _sync() -> None:
+    """Wait for this process's GPU work (nothing on CPU): host clocks around a GPU prefill see only launches."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def warm_on_gpu(fn, device: torch.device) -> None:
+    """Call fn once, untimed, on a GPU: a method's first prefill there compiles its Triton kernels and builds its
+    block indices (the first 2-GPU `spava run`, 8K tokens, timed SPAVA at 1.24 s against 0.14 s for the ring,
+    the compile included). On CPU nothing compiles, and a run stays one prefill per method."""
+    if device.type == "cuda":
+        fn()
+
+
 def _timed(fn, group):
-    """(result, seconds on this rank, seconds of the slowest rank)."""
+    """(result, seconds on this rank, seconds of the slowest rank): the GPU's work finished on both ends."""
     dist.barrier(group)
+    _sync()
     start = time.perf_counter()
     res = fn()
+    _sync()
     mine = time.perf_counter() - start
-    slowest = torch.tensor([mine], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return res, mine, float(slowest)
+    return res, mine, _max_over_ranks(mine, group)
 
 
 def exact_logits(model, ids: torch.Tensor, engine: str, tail: int, rank: int, world: int, device):
     """The exact baseline's tail logits fp32 [B, tail, V] on every rank -> (logits, its RankContext, seconds of the slowest rank).
 
-    engine "torch-cp": the forward runs inside torch's context_parallel on torch's own sharding; "zigzag-ring":
-    our ring over the zigzag sharding. Timed the same way as SPAVA (barrier, then the slowest rank).
+    engine ZIGZAG_RING: our ring over the zigzag sharding. TORCH_CP / TORCH_CP_SLIDING_RING: the forward runs
+    inside torch's context_parallel on torch's own sharding; global layers are torch's ring, sliding layers (the
+    hybrid) ours on the same shards. Timed the same way as SPAVA (barrier, then the slowest rank). The context's
+    stats["bytes_sent"]: what this rank sent, torch's part counted from the shapes (cp_bytes_sent).
     """
-    from .exact import torch_context_parallel
+    from .exact import ZIGZAG_RING, check_zigzag_shard, torch_context_parallel
+    from .model import attention_windows
 
     n = ids.shape[1]
-    if engine == "zigzag-ring":
+    if engine == ZIGZAG_RING:
         ctx = RankContext.ring(n, rank, world)
         logits, _, t = _timed(lambda: tail_logits(model, ids, ctx, tail, owner=True), None)
         return logits, ctx, t
+    windows = attention_windows(model)
 
     def run():
         with torch_context_parallel(n, device) as pos:
             ctx = RankContext.torch_cp(n, pos)
+            if any(w is not None for w in windows):
+                check_zigzag_shard(pos, n, world, rank)
             return tail_logits(model, ids, ctx, tail, owner=True), ctx
 
     (logits, ctx), _, t = _timed(run, None)
-    ctx.stats["bytes_sent"] = cp_bytes_sent(model.config, ids.shape[0], len(ctx.pos), world, next(model.parameters()).element_size())
+    global_layers = sum(w is None for w in windows)
+    torch_ring = cp_bytes_sent(model.config, ids.shape[0], len(ctx.pos), world, next(model.parameters()).element_size(), global_layers)
+    ctx.stats["bytes_sent"] = ctx.stats.get("bytes_sent", 0) + torch_ring  # the sliding layers' ring counted its own
     return logits, ctx, t
 
 
-def cp_bytes_sent(config, batch: int, local: int, world: int, elt: int) -> int:
+def cp_bytes_sent(config, batch: int, local: int, world: int, elt: int, layers: int | None = None) -> int:
     """Bytes one rank sends over torch CP's causal ring for one prefill, counted from the shapes (torch's ring
-    reports none): every layer, this rank's K and V shards ([B, Hq, N_r, D], heads repeated for GQA by
-    exact.cp_attention) go to each of the W-1 other ranks, whichever rotate method runs."""
+    reports none): in each of `layers` layers (default: all; a hybrid's global layers only), this rank's K and V
+    shards ([B, Hq, N_r, D], heads repeated for GQA by exact.cp_attention) go to each of the W-1 other ranks,
+    whichever rotate method runs."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_layer = 2 * batch * config.num_attention_heads * local * head_dim * elt
-    return config.num_hidden_layers * (world - 1) * per_layer
+    layers = config.num_hidden_layers if layers is None else layers
+    return layers * (world - 1) * per_layer
 
 
 def _max_over_ranks(x: float, group) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
+    """The largest x over the group's ranks. On NCCL the scalar travels on this rank's GPU (NCCL has no CPU tensors)."""
+    on_gpu = dist.get_backend(group) == dist.Backend.NCCL
+    t = torch.tensor([float(x)], dtype=torch.float64, device=torch.cuda.current_device() if on_gpu else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
 
@@ -220,15 +246,17 @@ def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
             tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
             engine, why_not_cp = exact_engine(cp_reason, n_real, world, sliding)
             engines.add(engine)
+            warm_on_gpu(lambda: exact_logits(model, ids, engine, cfg.query, rank, world, device), device)
             exact, exact_ctx, t_exact = exact_logits(model, ids, engine, cfg.query, rank, world, device)
             dense_tokens = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
             for lay in layouts(cfg, n_real):
+                warm_on_gpu(lambda: tail_logits(model, ids, RankContext.spava(lay, rank), cfg.query, owner=rank == 0), device)
                 ctx = RankContext.spava(lay, rank)
                 ctx.kept = {} if cfg.generate else None  # the local KV the decode after this prefill needs
                 logits, t_mine, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
                 row = {"tokens": n_real, "sample": sample, "seed": cfg.seed + sample, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
                        "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
-                       "attention_seconds": _max_over_ranks(ctx.stats.get("attention_s", 0.0), None),
+                       "attention_seconds": _max_over_ranks(attention_seconds(ctx.stats), None),
                        "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
                        "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
                        "bytes_sent_exact": int(_max_over_ranks(exact_ctx.stats.get("bytes_sent", 0), None)),
