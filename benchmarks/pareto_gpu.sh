@@ -10,7 +10,7 @@
 # Calibration reads the calibration plays (text:shakespeare's calibration part) unless the options say
 # otherwise; evaluation always reads the held-out plays, which calibration never sees.
 set -u
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pareto}
 TOKENS=${TOKENS:-8192}
 mode=$1 model=$2

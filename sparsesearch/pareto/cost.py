@@ -5,9 +5,10 @@ same captured layers: the post-RoPE q/k/v of each layer of a held-out window (mo
 through the plan the runtime builds from the artifact (runtime.plan.build_plan), so dynamic patterns are
 costed at the density their online estimate really gives on that text, index build included.
 
-- On a GPU (``measured``): the runtime's own call, ``Runner.attend`` for the layer, timed against causal
-  SDPA on the same tensors (CUDA events, median of ``REPS`` after warm-up). Its dynamic index builds run
-  inside the timed call.
+- On a GPU (``measured``): the runtime's own call, ``Runner.attend`` for the layer, against causal SDPA on
+  the same tensors, each as the GPU time of the kernels it launches (``kernel_ms``: profiler device time,
+  mean of ``REPS`` calls after warm-up). Its dynamic index builds run inside the measured call; host time
+  between launches does not count (a short call is launch-bound: its wall time measures Python).
 - On a CPU (``analytic``): the cost model of the search (search/cost.analytic_ms): computed entries at a
   nominal rate plus the last-queries estimate of dynamic patterns, per query head. The CPU's own torch
   backend is not timed: its speed says nothing about a GPU kernel's.
@@ -19,8 +20,6 @@ so it dilutes the fraction exactly as it dilutes the real prefill.
 from __future__ import annotations
 
 import math
-import statistics
-
 import torch
 import torch.nn.functional as F
 
@@ -77,31 +76,42 @@ def analytic_layer(layer, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple
     return float(sparse_ms.sum()), dense_ms, float(density.mean())
 
 
-def _median_cuda_ms(fn, reps: int = REPS) -> float:
+def kernel_ms(fn, reps: int = REPS) -> float:
+    """GPU time of the kernels one call of ``fn`` launches (ms, mean of ``reps`` calls after ``WARMUP``): the
+    device time the profiler records, summed. Host time between launches is not counted: a short call is
+    launch-bound, and its wall time would measure Python and the launch queue, not attention (at 8K on an
+    H200 SmolLM2's SDPA call is ~0.05 ms of GPU time inside ~0.5 ms of wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+
     for _ in range(WARMUP):
         fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(_device_us(e) for e in prof.key_averages())
+    return total_us / reps / 1e3
+
+
+def _device_us(event) -> float:
+    """An averaged profiler event's own device time (µs); the attribute was renamed in torch 2.4."""
+    value = getattr(event, "self_device_time_total", None)
+    return float(value if value is not None else getattr(event, "self_cuda_time_total", 0.0))
 
 
 def measured_layer(runner, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                    space: str) -> tuple[float, float, float]:
-    """(sparse ms, dense ms, mean density) of one layer on a GPU: the runtime's call against causal SDPA
-    on the same q [1, Hq, N, D], k/v [1, Hkv, N, D]; the density is the analytic one's (what was computed)."""
+    """(sparse ms, dense ms, mean density) of one layer on a GPU: the GPU time of the runtime's call (index
+    builds included) against causal SDPA's on the same q [1, Hq, N, D], k/v [1, Hkv, N, D]; the density is
+    the analytic one's (what was computed)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    sparse = _median_cuda_ms(lambda: runner.attend(layer, q, k, v, scale=scale))
+    sparse = kernel_ms(lambda: runner.attend(layer, q, k, v, scale=scale))
     if layer.kind == "window":
         dense = sparse
     else:
         gqa = q.shape[1] != k.shape[1]
-        dense = _median_cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
+        dense = kernel_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
     return sparse, dense, analytic_layer(layer, q, k, space)[2]
 
 

@@ -165,7 +165,7 @@ def measure_costs(model, info, points: list[Point], reference) -> list[dict]:
     with torch.no_grad():
         for sample in reference.samples:
             capture_qkv(model, sequence_ids(sample)[None].to(device), on_layer=on_layer, to_cpu=device.type != "cuda", info=info)
-    kind = "measured" if device.type == "cuda" else "analytic"
+    kind = "measured kernel time" if device.type == "cuda" else "analytic"
     return [{"cost_fraction": round(s / d, 6), "attention_density": round(ds / max(1, n), 6), "cost_model": kind,
              "attention_ms": round(s, 4), "dense_attention_ms": round(d, 4)} for s, d, ds, n in sums]
 
