@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..pareto.dominance import frontier
 from . import save_png
 
 STYLE = {  # family -> (colour, marker)
@@ -27,8 +28,12 @@ def draw_pareto(report: dict, info, path: Path) -> Path:
         mine = sorted((r for r in rows if r["family"] == family), key=lambda r: r["cost_fraction"])
         colour, marker = STYLE[family]
         xs, ys = [r["cost_fraction"] for r in mine], [max(KL_FLOOR, r["kl"]) for r in mine]
-        ax.plot(xs, ys, marker=marker, color=colour, linewidth=2.2 if family == "searched" else 1.2,
-                markersize=11 if family == "searched" else 6, label=family)
+        if family == "searched":  # separate artifacts: their frontier (the verdicts' curve) is the line
+            ax.scatter(xs, ys, marker=marker, color=colour, s=110, zorder=3, label="searched artifacts")
+            curve = frontier(list(zip(xs, [r["kl"] for r in mine])))
+            ax.plot([c for c, _ in curve], [max(KL_FLOOR, k) for _, k in curve], color=colour, linewidth=2.2, label="searched frontier")
+        else:
+            ax.plot(xs, ys, marker=marker, color=colour, linewidth=1.2, markersize=6, label=family)
         for r, x, y in zip(mine, xs, ys):
             ax.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points", color=colour)
     ax.set_yscale("log")
