@@ -99,7 +99,7 @@ def _target_summary(target: dict | None) -> dict | None:
     return {k: v for k, v in target.items() if k != "curve"}
 
 
-def _render_target(target: dict, cutoff: dict | None) -> None:
+def _render_target(target: dict) -> None:
     cal, held = target["calibration"], target.get("held_out") or {}
     status = "met" if target["met"] else f"MISSED ({target['missed']})"
     achieved = "-" if cal["achieved"] is None else f"{cal['achieved']:.3g}"
@@ -121,10 +121,6 @@ def _render_target(target: dict, cutoff: dict | None) -> None:
         for d in target["dense_heads"]:
             table.add_row(str(d["layer"]), str(d["head"]), d["reason"])
         out_console.print(table)
-    if cutoff:
-        out_console.print(f"dense cut-off ({cutoff.get('source')}, {cutoff.get('device', '-')}): runtime min_tokens "
-                          f"{cutoff['min_tokens'] if cutoff['min_tokens'] is not None else 'none: sparse never faster up to ' + str(cutoff.get('measured_up_to'))}",
-                          highlight=False)
 
 
 def _render(result, summary, density) -> None:
@@ -156,8 +152,25 @@ def _render(result, summary, density) -> None:
             for line in describe(report):
                 out_console.print(f"held-out {line}" if line.startswith(report["eval_data"]) else line)
     if summary["target"]:
-        _render_target(summary["target"], summary["dense_cutoff"])
-    elif summary["dense_cutoff"]:
-        cut = summary["dense_cutoff"]
-        out_console.print(f"dense cut-off ({cut.get('source')}): runtime min_tokens {cut['min_tokens']}", highlight=False)
-    out_console.print(f"timings: {summary['timings_s']}  map: {summary['map_png']}  budget curve: {summary['budget_png']}")
+        _render_target(summary["target"])
+    for line in what_it_buys(summary):
+        out_console.print(line, highlight=False)
+    files = "".join(f"  {name}: {summary[key]}" for name, key in (("map", "map_png"), ("budget curve", "budget_png")) if summary[key])
+    out_console.print(f"timings (s): {summary['timings_s']}{files}", highlight=False)
+
+
+def what_it_buys(summary: dict) -> list[str]:
+    """Plain lines on what the artifact saves and where: the attention it computes (and, under a target, its
+    cost) as a fraction of dense, and the prompt length from which the runtime runs it on this device."""
+    target = summary.get("target") or {}
+    cost = (target.get("calibration") or {}).get("cost_fraction")
+    lines = [f"attention computed: {summary['mean_density']:.1%} of dense (mean over heads)"
+             + ("" if cost is None else f"; cost {cost:.1%} of dense under the search's cost model")]
+    cut = summary.get("dense_cutoff") or {}
+    if cut.get("min_tokens") is not None:
+        how = "measured on this device" if cut.get("source") == "measured" else cut.get("source", "")
+        lines.append(f"the runtime runs dense below {cut['min_tokens']} tokens and this artifact from there on ({how})")
+    elif cut:
+        lines.append(f"on this device sparse attention was never faster than dense up to {cut.get('measured_up_to')} tokens, so "
+                     f"the runtime runs dense up to there: the artifact pays off on a GPU or at longer prompts (--min-tokens overrides)")
+    return lines
