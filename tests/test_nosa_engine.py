@@ -372,7 +372,7 @@ def locality_holds(cfg, previous: torch.Tensor, selected: torch.Tensor) -> torch
 
 @pytest.mark.parametrize("proxy", ["snapkv", "h2o", "tova", "vnorm", "persistence", "random"])
 def test_the_locality_bound_holds_at_every_step_inside_a_block(proxy):
-    """Scores are frozen between refreshes, so with n_win >= 2 (PEERS.md "NOSA fine print") every step that
+    """Scores are frozen between refreshes, so with n_win >= 2 (docs/peers.md "NOSA fine print") every step that
     does not start a block keeps gamma >= (k - k_q)/k, for every sequence of a ragged batch and KV head."""
     cfg = make_config(320, 0.25, 32, proxy)
     assert cfg.n_win >= 2 and cfg.k_q > 0

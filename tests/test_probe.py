@@ -30,7 +30,7 @@ def test_probe_writes_sections_and_start_layer(tiny, tmp_path):
     outcome = run_probe(_cfg(tiny, tmp_path / "tri"))
     r = outcome.result
     assert r.grad_mean.shape == (4, 2, 3) and r.samples == 2
-    # Free check (PEERS.md): the last layer's Middle gradient is exactly 0 — nothing after it reads the
+    # Free check (docs/peers.md): the last layer's Middle gradient is exactly 0 — nothing after it reads the
     # middle rows' outputs, and only the last row feeds y_gt.
     assert float(r.abs_mean[-1, :, 1].abs().max()) == 0.0
     # Att sums to one per row: the three sections' mean probabilities weighted by their sizes give N rows.

@@ -13,7 +13,7 @@ alone (``trained``: A·softplus(W·v), ``vnorm``: ||v||, ``random``), which is w
   buffer (the tail is slot k), so attention reads one tensor; the slot map [B, Hkv, k] (block id or -1);
   compressed keys [B, Hkv, M, D] in the cache dtype; per-token query-agnostic scores [B, Hkv, capacity];
 * query-agnostic block scores are recomputed only when a sequence starts a new block and frozen in
-  between, which is what makes the locality bound hold at every other step (PEERS.md "NOSA fine print");
+  between, which is what makes the locality bound hold at every other step (docs/peers.md "NOSA fine print");
 * the fetch list is sized by that bound: at a step inside a block at most k_q selected blocks can be new
   (sink, window and the frozen agnostic order do not move), so the step gathers ``k_q`` ranks per
   (sequence, KV head), and all k at a step where some sequence starts a block. Blocks beyond the list

@@ -1,4 +1,4 @@
-"""Query-agnostic per-token scores e_i (PEERS.md 2(a) step 4): a trained eviction head or training-free
+"""Query-agnostic per-token scores e_i (docs/peers.md 2(a) step 4): a trained eviction head or training-free
 proxies, each *refreshed at block boundaries* so that the candidates' scores stay frozen inside a block
 (condition (2) of the locality bound).
 

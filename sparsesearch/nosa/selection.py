@@ -1,4 +1,4 @@
-"""NOSA block selection (paper 004 Eq. 3-5, PEERS.md 2(a)), batched over any leading dims.
+"""NOSA block selection (paper 004 Eq. 3-5, docs/peers.md 2(a)), batched over any leading dims.
 
 The reading this module implements (paper inconsistencies resolved once, tested in tests/test_nosa.py):
 

@@ -1,5 +1,5 @@
 """One layer of teacher-forced NOSA decoding, all steps at once: selection, the sparse attention output
-and every per-(KV head, step) measurement of PEERS.md 2(a) steps 6-8.
+and every per-(KV head, step) measurement of docs/peers.md 2(a) steps 6-8.
 
 Step t is the query at position T + t; it sees keys <= T + t. Its selection comes from its own query, so
 running all S steps in one forward is exact for teacher forcing. Step 0 has no previous selection: its
@@ -10,7 +10,7 @@ never fetched). ``miss`` = |S_t minus (S_t-1 and the previous tail)|, hit rate 1
 miss * block * d * 2 (K and V) * bytes per element; D2H one tail block when it completes.
 gamma_raw = |S_t & S_t-1| / |S_t|; gamma_res also counts the previous tail as resident. The bound
 gamma_raw >= (k - k_q)/k is checked at *stable* steps (same candidate blocks with the same
-query-agnostic scores as at t-1: condition (2) of PEERS.md "NOSA fine print"); steps where the
+query-agnostic scores as at t-1: condition (2) of docs/peers.md "NOSA fine print"); steps where the
 conditions fail are reported apart (``stable`` False), never dropped.
 """
 

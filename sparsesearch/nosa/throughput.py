@@ -1,4 +1,4 @@
-"""Decode throughput model of an offloaded NOSA step, usable everywhere (PEERS.md 2(a) step 7).
+"""Decode throughput model of an offloaded NOSA step, usable everywhere (docs/peers.md 2(a) step 7).
 
 t_step = sum over layers of [launch floor + H2D bytes / BW(H2D bytes) + resident bytes / HBM bandwidth],
 tokens/s = batch / t_step. Every transfer of a layer is one batched gather (NOSI's UVA kernel), so the

@@ -9,7 +9,7 @@ lse — O(N) memory, no θ tensor and no n x n matrix (probe.sections over kerne
 
 Recorded per (layer, head, section), as mean and standard error over samples: the signed Grad (the
 paper's quantity), mean |∂y/∂θ|, and Att (mean probability). On small models the signed Middle Grad flips
-sign between layers and sits near zero (PEERS.md), so the start-layer rule uses the stable quantity:
+sign between layers and sits near zero (docs/peers.md), so the start-layer rule uses the stable quantity:
 the Middle section's mean |∂y/∂θ| summed over heads (see ``choose_start_layer``).
 """
 

@@ -6,7 +6,7 @@ O_i = Σ_j θ_ij P_ij V_j. With dO = ∂y/∂O (per query head, before o_proj) t
     ∂y/∂θ_ij = P_ij · (dO_i · V_j)
 
 and the paper's per-section statistics are Grad(M) = mean of ∂y/∂θ over M and Att(M) = mean of P over M.
-We also keep Σ|∂y/∂θ| (PEERS.md: the signed Middle mean flips sign between layers on small models).
+We also keep Σ|∂y/∂θ| (docs/peers.md: the signed Middle mean flips sign between layers on small models).
 
 Sections (prefill, N queries = N keys, 0-based i = query row, j = key; only the causal region j <= i):
 

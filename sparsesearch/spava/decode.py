@@ -6,7 +6,7 @@ exactly one *owner* (``owned_positions``): under SPAVA, each rank owns its two b
 (rank 0) also owns the anchor and the query, which every rank holds a copy of; in the ring, each rank owns
 its zigzag chunks. Two decoders use that ownership:
 
-* ``distributed_decode`` — PEERS.md 2(b) step 7, the paper's method (default). Each rank keeps only the
+* ``distributed_decode`` — docs/peers.md 2(b) step 7, the paper's method (default). Each rank keeps only the
   K/V it owns (``LocalKV``, one per layer; a sliding layer keeps only keys a future position can see), and
   rank 0 (``SAMPLER``) also the K/V of the tokens generated so far. Per token, every rank runs the model's
   layers on the one new token: all ranks hold the same hidden state, so QKV projections, MLP and norms are
