@@ -55,6 +55,15 @@ def calibrate(
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
                           latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples)
+    from sparsesearch import preflight as check
+
+    # Shared guards first: an --out that would land on an input, a file that cannot be parsed, a length past the
+    # model's context (refused as that, not as data too short for it), sample ids that cannot fit in memory.
+    check.output_path("--out", out, reads={"--data": data, "--search-space": search_space, "--eval-data": (eval_data or "").split(",")},
+                      model=model, beside=[out.with_name(out.name + end) for end in (".partial", ".png", ".budget.png")])
+    check.json_file("--search-space", search_space)
+    check.sizes_fit(model, {"--max-tokens": max_tokens, "--eval-tokens": eval_tokens}, trust_remote_code=trust_remote_code, dtype=dtype,
+                    device=device, memory={f"--samples {samples} x --max-tokens {max_tokens} token ids": 8 * max(samples, 0) * max(max_tokens, 0)})
     space = preflight(cfg)  # bad input is one line before any progress output
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=json_out) as bar:

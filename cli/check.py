@@ -7,7 +7,21 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, prepare_cpu_kernels, print_json, resolve_device
+from .common import BadInput, DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, prepare_cpu_kernels, print_json, resolve_device
+
+
+def _check_sizes(tokens: int, heads: int, kv_heads: int, head_dim: int, block: int) -> None:
+    """Positive sizes whose tensors fit in memory, before any is made: random Q/K/V drawn in float32 and cast,
+    the kernel's and the oracle's outputs (``16 B`` an element, all told), and a pattern's block masks packed
+    into lists (about 20 B a block pair per head)."""
+    from sparsesearch.memory import fits_memory
+
+    for option, value in (("--tokens", tokens), ("--heads", heads), ("--kv-heads", kv_heads), ("--head-dim", head_dim), ("--block", block)):
+        if value < 1:
+            raise BadInput(f"{option} must be >= 1, got {value}")
+    blocks = -(-tokens // block)
+    nbytes = 16 * (heads + 2 * kv_heads) * tokens * head_dim + 20 * heads * blocks * blocks
+    fits_memory(f"--tokens {tokens} with {heads}/{kv_heads} heads of dim {head_dim}", nbytes)
 
 
 @exits_cleanly
@@ -26,6 +40,7 @@ def check(
 
     Example: sparsesearch check --tokens 512 --pattern vertical_slash --pattern triangle
     """
+    _check_sizes(tokens, heads, kv_heads, head_dim, block)
     device = resolve_device(device)
     prepare_cpu_kernels(device)
     from sparsesearch.selfcheck import check_patterns, rows_as_dicts

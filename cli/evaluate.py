@@ -39,6 +39,9 @@ def evaluate(
     check_options(samples=samples, tokens=tokens, min_tokens=min_tokens)
     check.data("--data", data, tokens=tokens, held_out=True)
     art = load_artifact(artifact, model_info=resolved)
+    recommended = ((art.manifest.get("methods") or {}).get("nosa") or {}).get("recommended") or {}
+    if recommended.get("proxy") == "trained":  # the runtime would refuse it only after the weights load
+        check.eviction_head_possible("the artifact's methods.nosa proxy", model)
     with err_console.status("loading model"):
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
     with err_console.status(f"evaluating {samples} prompt(s)"):

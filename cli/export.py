@@ -31,6 +31,7 @@ def export(
 
     Example: sparsesearch export runs/llama-3.1-8b --format minference --out llama_minference.json
     """
+    from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact, sha256_file
 
     if fmt not in FORMATS:
@@ -38,6 +39,8 @@ def export(
     from sparsesearch.export._common import check_output_file
 
     check_output_file(out)
+    # An export is one new file: never one of the artifact's (nor inside its directory), never the --qk input.
+    check.output_path("--out", out, reads={"artifact": artifact, "--qk": qk})
     art = load_artifact(artifact)
     if global_only and "heads.parquet" in art.tables:
         from sparsesearch.export._common import global_only as keep_global
@@ -73,6 +76,8 @@ def _export_flex(art, out: Path, tokens: Optional[int], block: int, qk: Optional
         raise BadInput(f"--tokens must be >= 1, got {tokens}")
     layers = art.manifest["model"]["num_layers"]
     inputs = _load_qk(qk, layers) if qk is not None else None
+    if inputs is None:  # --qk tensors were captured from the model: their length fits it and they are in memory
+        _check_size(art, tokens, block)
     per_layer = {}
     with err_console.status("building block lists") as status:
         for layer in range(layers):
@@ -84,6 +89,18 @@ def _export_flex(art, out: Path, tokens: Optional[int], block: int, qk: Optional
                 per_layer[layer] = flex_tensors(art, layer, q_len=tokens, block=block)
     meta = {"artifact": art.path.name, "heads_sha256": art.manifest["files"].get("heads.parquet", "")}
     return write_flex(per_layer, out, metadata=meta)
+
+
+def _check_size(art, tokens: int, block: int) -> None:
+    """The length fits the artifact's model (its recorded context) and its block lists fit in memory, before
+    any is built: --tokens 1000000000 would otherwise ask torch for petabytes and fail in a traceback."""
+    from sparsesearch.export.flex import flex_bytes
+    from sparsesearch.memory import fits_memory
+
+    context = art.manifest["model"].get("max_position_embeddings")
+    if context is not None and tokens > context:
+        raise BadInput(f"--tokens {tokens} exceeds the context of model '{art.manifest['model']['id']}' ({context} tokens)")
+    fits_memory(f"--format flex at {tokens} tokens", flex_bytes(art, tokens, block=block))
 
 
 def _load_qk(path: Path, layers: int) -> list:

@@ -29,9 +29,11 @@ def import_minference(
 
     Example: sparsesearch import-minference Qwen2.5_7B_best_pattern.json --model Qwen/Qwen2.5-7B-Instruct --out runs/qwen-imported
     """
+    from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact, write_artifact
     from sparsesearch.export.minference import import_minference as load_config
 
+    check.output_path("--out", out, reads={"FILE": file}, model=model)
     info = model_info(model, trust_remote_code)
     manifest, tables = load_config(file, info, created=created)
     path = write_artifact(out, manifest, tables, overwrite=overwrite)

@@ -52,6 +52,11 @@ def pareto(
     cfg = ParetoConfig(model=model, artifacts=list(artifact or []), baselines=_names(baselines), budgets=_floats(budgets, "--budgets"),
                        data=data, samples=samples, tokens=tokens, seed=seed, triangle_start=triangle_start, out=out,
                        overwrite=overwrite, resume=resume, device=device, dtype=dtype)
+    if out is not None:  # a report directory of its own: never an --artifact, the data or the model's files
+        from sparsesearch import preflight as check
+
+        check.output_path("--out", out, reads={"--artifact": list(artifact or []), "--data": data}, model=model,
+                          beside=[out.with_name(out.name + ".partial")])
     checked = preflight(cfg)  # bad input: one line, before any weights load
     report = run(cfg, _progress(), checked=checked)
     if json_out:

@@ -39,8 +39,13 @@ def probe_layers(
 
     Example: sparsesearch probe-layers --model smollm2-135m --samples 8 --validate
     """
+    from sparsesearch import preflight as check
     from sparsesearch.probe.probe import ProbeSettings
     from sparsesearch.probe.run import ProbeConfig, preflight, run_probe
+
+    # --out is the target (an artifact there is composed with and replaced whole); the inputs must stay apart.
+    check.output_path("--out", out, reads={"--eval-data": eval_data if validate else None}, model=model,
+                      beside=[out.with_name(out.name + ".png")])
 
     settings = ProbeSettings(samples=samples, tokens=tokens, sink=sink, window=window, last=last, seed=seed)
     cfg = ProbeConfig(model=model, settings=settings, threshold=threshold, validate=validate, validate_step=validate_step,

@@ -26,6 +26,18 @@ def _floats(option: str, text: str) -> tuple[float, ...]:
         raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
 
 
+def _check_budgets(settings) -> None:
+    """A budget selects tokens of the prefill plus the continuation: one larger than both together would select
+    everything there is (dense attention, no selection to measure)."""
+    if settings.context <= 0 or settings.decode_steps <= 0:
+        return  # preflight names those
+    seen = settings.context + settings.decode_steps
+    for budget in settings.budgets:
+        if budget > seen:
+            raise ValueError(f"--budget {budget} exceeds the {seen} tokens a step can attend (--context {settings.context} "
+                             f"+ --decode-steps {settings.decode_steps})")
+
+
 @exits_cleanly
 def sweep_nosa(
     model: Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")] = "smollm2-135m",
@@ -57,7 +69,15 @@ def sweep_nosa(
         context=context, decode_steps=decode_steps, data=data, seed=seed, kl_tolerance=kl_tolerance, out=out, into=into,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code,
     )
+    from sparsesearch import preflight as check
+
+    target = settings.target  # --into or --out: read, composed with and replaced whole; the inputs must stay apart
+    check.output_path("--into" if into is not None else "--out", target, reads={"--data": data}, model=model,
+                      beside=[target.with_name(target.name + ".png"), target.parent / f".{target.name}.nosa-partial"])
+    _check_budgets(settings)
     preflight(settings)  # bad input is one line before any progress output, nothing written
+    if "trained" in settings.proxies:  # the config tells whether the model can carry the head: no 40-90 s load first
+        check.eviction_head_possible("--proxy", model, trust_remote_code=trust_remote_code)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=json_out) as bar:
         task = bar.add_task("starting", total=None)

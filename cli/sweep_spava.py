@@ -35,8 +35,14 @@ def sweep_spava(
     Example: sparsesearch sweep-spava --model smollm2-135m --nproc 2 --tokens 2048 --anchor 128,256 --passing 128,256
     With measured rank times: sparsesearch sweep-spava --rank-times benchmarks/results/spava_rank_sim.jsonl --bandwidth 100
     """
+    from sparsesearch import preflight as check
+
     if rank_times is not None:
+        check.json_file("--rank-times", rank_times)  # one line for a malformed file, however malformed
         return _model_rank_times(rank_times, bandwidth, json_out)
+    target = into or out  # read, composed with and replaced whole; the inputs must stay apart from it
+    check.output_path("--into" if into is not None else "--out", target, reads={"--data": data}, model=model,
+                      beside=[target.with_name(target.name + "-spava.png")])
     from sparsesearch.spava.run import SpavaConfig
     from sparsesearch.spava.sweep import draw_sweep, write_sweep
 

@@ -10,6 +10,22 @@ from rich.table import Table
 from .common import JsonOpt, err_console, exits_cleanly, out_console, print_json
 
 
+def _check_gpu_memory(tokens: int, heads: int, kv_heads: int, head_dim: int, block: int) -> None:
+    """The timed launch's tensors fit in the GPU's free memory before any is made (on a machine without a GPU
+    tune_launches refuses first): Q/K/V and two outputs in bf16, the block top-k index (int32 lists, ~20 B a
+    block pair per head while it is built). Sizes below 1 are left to tune_launches' own checks."""
+    import torch
+
+    from sparsesearch.memory import fits_memory
+
+    if not torch.cuda.is_available() or min(tokens, heads, kv_heads, head_dim, block) < 1:
+        return
+    blocks = -(-tokens // block)
+    nbytes = 2 * (3 * heads + 2 * kv_heads) * tokens * head_dim + 20 * kv_heads * blocks * blocks
+    fits_memory(f"--tokens {tokens} with {heads}/{kv_heads} heads of dim {head_dim}", nbytes,
+                available=torch.cuda.mem_get_info()[0], where="the GPU")
+
+
 @exits_cleanly
 def tune_kernels(
     block: Annotated[Optional[list[int]], typer.Option("--block", help="Index block sizes to tune (repeatable; default 64 and 128).")] = None,
@@ -28,6 +44,7 @@ def tune_kernels(
     """
     from sparsesearch.kernel_tuning import tune_launches
 
+    _check_gpu_memory(tokens, heads, kv_heads, max(head_dim or [128]), min(block or [64]))
     with err_console.status("tuning") as status:
         result = tune_launches(block or [64, 128], head_dim or [64, 128], tokens, heads, kv_heads, density,
                                write=not dry_run, progress=lambda what: status.update(f"tuning {what}"))

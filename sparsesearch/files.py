@@ -56,16 +56,30 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
     replaces ``path``; when it raises, the temporary is removed and ``path`` is untouched. ``suffix`` ends the
     temporary's name, for writers that pick their format from the extension (``.tmp.png``)."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _create_unique(target, suffix)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _create_unique(target, suffix)
+    except OSError as exc:
+        raise naming(target, exc) from None
     try:
         yield tmp
         _fsync_file(tmp)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename in (None, str(tmp)):
+            raise naming(target, exc) from None
         raise
     fsync_dir(target.parent)
+
+
+def naming(target: str | os.PathLike, exc: OSError) -> OSError:
+    """``exc`` as the same kind of error about ``target``: a write that fails names the temporary (which the
+    user never asked for and which is gone by now) or no file at all (a full disk fails in write()), and
+    the one-line error a user sees should name the file they asked for. Errors without an errno are kept."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(target))
 
 
 def write_bytes_synced(path: str | os.PathLike, data: bytes) -> None:

@@ -30,7 +30,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..files import fsync_dir, write_bytes_synced
+from ..files import fsync_dir, naming, write_bytes_synced
+from ..json_input import read_json
 from ..models.info import ModelInfo
 from .columns import ADDED_COLUMNS, HEADS_SCHEMA
 from .migrations import manifest_version, migrate
@@ -239,8 +240,11 @@ def write_artifact(path, manifest: dict, tables: dict, *, overwrite: bool = Fals
         if not overwrite:
             raise FileExistsError(f"{target} already holds a different artifact; pass overwrite=True (--overwrite) to replace it")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as exc:
+        raise naming(target, exc) from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the artifact gets the usual permissions
         for name, data in blobs.items():
@@ -248,8 +252,10 @@ def write_artifact(path, manifest: dict, tables: dict, *, overwrite: bool = Fals
         write_bytes_synced(tmp / MANIFEST, payload)
         fsync_dir(tmp)  # the files' names, as their bytes, are on disk before the directory is renamed in
         _swap_in(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # it names our temporary (or nothing, on a full disk): name the artifact
+            raise naming(target, exc) from None
         raise
     return target
 
@@ -292,13 +298,10 @@ def read_manifest(path) -> dict:
     file = root / MANIFEST
     if not file.is_file():
         raise ArtifactError(f"{root} has no {MANIFEST}; not a sparsesearch artifact")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ArtifactError(f"{file}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    return manifest
+    try:  # strict JSON: bad UTF-8, NaN, repeated keys, deep nesting, a huge file are one line (json_input)
+        return read_json(file)
+    except ValueError as exc:
+        raise ArtifactError(str(exc)) from None
 
 
 def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
@@ -324,6 +327,7 @@ def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
             raise ArtifactError(
                 f"{root}: {name} sha256 {actual[:12]}... does not match manifest.json ({digest[:12]}...); the file was changed or damaged"
             )
+        _check_table_size(file, root, name)
         try:
             table = pq.read_table(file)
         except (pa.ArrowException, OSError, ValueError) as exc:
@@ -337,6 +341,7 @@ def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
         if name == HEADS_FILE:
             table = _with_added_columns(table)
             _check_heads_schema(table, root)
+            _check_no_nan(table, root)
             records = heads_records(table.to_pylist(), where=f"{root}: {HEADS_FILE}")
             check_heads(records, manifest)
         tables[name] = table.to_pandas()
@@ -352,6 +357,30 @@ def _with_added_columns(table: pa.Table) -> pa.Table:
             typ = HEADS_SCHEMA.field(name).type
             table = table.append_column(pa.field(name, typ, nullable=True), pa.nulls(table.num_rows, type=typ))
     return table
+
+
+def _check_table_size(file: Path, root: Path, name: str) -> None:
+    """Refuse, from its footer and before it is read, a table that would not fit in memory once decompressed: a
+    few kilobytes of zstd can hold gigabytes of zeros. Reading takes about three copies (Arrow, rows, pandas)."""
+    from ..memory import fits_memory, human
+
+    try:
+        meta = pq.read_metadata(file)
+    except (pa.ArrowException, OSError, ValueError):
+        return  # not a Parquet footer: read_table says so in its own line
+    size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    fits_memory(f"{root}: {name} ({meta.num_rows} rows, {human(size)} uncompressed)", 3 * size)
+
+
+def _check_no_nan(table: pa.Table, root: Path) -> None:
+    """Refuse a NaN in heads.parquet's float columns. Our writer stores a missing measurement as null (pandas'
+    NaN becomes null on the way in), so a NaN was written by something else, and reading it as null would
+    turn a broken measurement into an unmeasured one without a word."""
+    import pyarrow.compute as pc
+
+    for f in table.schema:
+        if pa.types.is_floating(f.type) and pc.any(pc.is_nan(table.column(f.name))).as_py():
+            raise ArtifactError(f"{root}: {HEADS_FILE} column {f.name} holds NaN; a missing value is null")
 
 
 def _check_heads_schema(table: pa.Table, root: Path) -> None:

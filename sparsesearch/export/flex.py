@@ -244,6 +244,19 @@ def flex_tensors(
     return out
 
 
+def flex_bytes(artifact: Artifact, q_len: int, kv_len: int | None = None, block: int = 128) -> int:
+    """A lower bound on the memory ``flex_tensors`` takes for one layer at these lengths: per query head, its
+    full / partial / column block masks at the finest block size in play (1 byte a cell each) and the sort
+    that packs them into lists (int32 keys, int32 values, int64 positions: 16 bytes a cell). What the lists
+    keep depends on the patterns and is not counted, so a refusal on this bound is never wrong."""
+    heads = artifact.heads
+    cq = min([block, *heads["block_m"].astype(int).tolist()])
+    ck = min([block, *heads["block_n"].astype(int).tolist()])
+    kv_len = q_len if kv_len is None else kv_len
+    cells = num_blocks(q_len, cq) * num_blocks(kv_len, ck)
+    return artifact.manifest["model"]["num_heads"] * cells * (3 + 16)
+
+
 def _pool(full: torch.Tensor, listed: torch.Tensor, q_len: int, kv_len: int, cq: int, ck: int, block: int):
     """Fine block masks [B, H, QB, KB] at (cq, ck) -> FlexAttention's (block, block) tiles: full when every
     fine block of the tile is full (fine blocks past kv_len are not), partial when any is listed otherwise."""

@@ -34,18 +34,21 @@ artifact is written in query-head space: each KV head's row goes to every query 
 (written as the dense pair above, never left out, which MInference would turn into VS(1000, 6096)), and
 TriangleMix layers (methods.trianglemix.start_layer and deeper) are triangle, so they are refused.
 Block sizes are not carried: imported rows get block_m = block_n = 64 (MInference's block). The score is
-copied as is (MInference files use it for different things); null when the artifact has none.
+copied as is (MInference files use it for different things); null when the artifact has none. A NaN or
+infinite score is refused on import (a missing score is null; NaN is not JSON).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..artifacts.columns import ALL_MODALITIES, check_window_rows, row_from_params, window_row
 from ..artifacts.io import Artifact, sha256_bytes
 from ..artifacts.manifest import empty_device, new_manifest
 from ..artifacts.tables import heads_frame, to_query_heads
+from ..json_input import parse_json, read_bytes
 from ..models.info import ModelInfo
 from ._common import effective_rows, write_file_atomic
 
@@ -54,6 +57,7 @@ FALLBACK = ("vertical_and_slash", 1000, 6096)
 DENSE_SIZE = 1 << 30
 BLOCK = 64
 VS_FIXED = {"last_q": 64, "force_vertical": 30, "force_slash": 100}
+CONFIG_MAX_BYTES = 16 << 20
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -102,14 +106,6 @@ def write_minference(artifact: Artifact, out) -> Path:
 # ---------------------------------------------------------------------------------------------- import
 
 
-def _no_duplicates(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise ValueError(f"repeated key(s) {repeated} in one JSON object")
-    return dict(pairs)
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -122,18 +118,10 @@ def _read_source(source) -> tuple[list, str | None, str]:
     path = Path(source)
     if path.is_dir():
         raise ValueError(f"{path} is a directory, not a MInference JSON file")
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    data = path.read_bytes()
-    try:
-        parsed = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except UnicodeDecodeError:
-        raise ValueError(f"{path.name}: not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path.name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: {exc}") from None
-    return parsed, path.name, sha256_bytes(data)
+    # One line each (sparsesearch.json_input): a missing file, a FIFO or device, a file too big to be a config (one of
+    # 128 layers x 64 heads is about 300 KB), bad UTF-8, NaN/Infinity scores, repeated heads, deep nesting.
+    data = read_bytes(path, str(path), max_bytes=CONFIG_MAX_BYTES)
+    return parse_json(data, path.name), path.name, sha256_bytes(data)
 
 
 def _row_from_entry(entry, layer: int, head: int, label: str) -> dict:
@@ -150,6 +138,8 @@ def _row_from_entry(entry, layer: int, head: int, label: str) -> dict:
         raise ValueError(f"{where}: sizes must be integers, got {first!r} and {second!r}")
     if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
         raise ValueError(f"{where}: score must be a number or null, got {score!r}")
+    if score is not None and not math.isfinite(score):  # a parsed list may hold float('nan'); files cannot (json_input)
+        raise ValueError(f"{where}: score must be finite or null, got {score!r}")
     try:
         if kind == "vertical_and_slash" and first == DENSE_SIZE and second == DENSE_SIZE:
             pattern, params = "dense", PARAMS["dense"]()

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_model(
@@ -84,7 +84,7 @@ def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
 
     if resolved.gguf_file:
         return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, local_files_only=True)
-    if not any((resolved.path / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((resolved.path / name).is_file() for name in TOKENIZER_FILES):
         logger.warning("model '%s' has no tokenizer files; returning no tokenizer", resolved.spec)
         return None
     common = dict(trust_remote_code=trust_remote_code, local_files_only=True)

@@ -103,6 +103,28 @@ def resolve(spec: str, *, trust_remote_code: bool = False) -> ResolvedModel:
     raise ValueError(f"model path '{spec}' does not exist (nor is it a hub id or the alias {aliases})")
 
 
+def local_files(spec: str) -> tuple[Path, ...]:
+    """The paths on disk a ``--model`` spec reads, found without parsing or assembling anything (an output
+    must never land on or in them): the path given, an alias's GGUF (gemma3-270m: its user-cache directory,
+    whether assembled yet or not), a hub id's snapshot and its repository directory in the hub cache.
+    Empty for a spec that names nothing on disk (``resolve`` says why when it is used)."""
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return (path,)
+    try:
+        if spec == SMOLLM2_ALIAS:
+            return (_smollm2_path(),)
+        if spec == GEMMA3_ALIAS:
+            return (model_cache_dir(),)
+        if _HUB_ID.match(spec) and not spec.lower().endswith(".gguf"):
+            snapshot, _ = _find_in_hub_cache(spec)
+            return (snapshot, snapshot.parent.parent)  # .../models--org--name/snapshots/<commit>
+    except ValueError:
+        pass
+    return ()
+
+
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache, read from the environment at call time (HF_HUB_CACHE, HF_HOME)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -242,7 +264,7 @@ def _resolve_gguf(spec: str, kind: str, file: Path, trust: bool) -> ResolvedMode
             _GGUF_CONFIG_CACHE[key] = AutoConfig.from_pretrained(
                 file.parent, gguf_file=file.name, trust_remote_code=trust, local_files_only=True
             )
-        except (ValueError, ImportError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a damaged GGUF fails in the gguf parser with any type (struct.error, ...)
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
             raise ValueError(f"GGUF file '{file}' could not be read: {first}") from None
     config = copy.deepcopy(_GGUF_CONFIG_CACHE[key])  # from_pretrained may write into the config it is given
