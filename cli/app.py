@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, check, diff, evaluate, export, import_minference, inspect, pareto, probe_layers, spava, sweep_nosa, sweep_spava, tune_kernels, validate
+from . import calibrate, check, diff, engines, evaluate, export, import_minference, inspect, pareto, probe_layers, spava, sweep_nosa, sweep_spava, tune_kernels, validate
 
 app = typer.Typer(
     name="sparsesearch",
@@ -22,6 +22,7 @@ app.command("inspect")(inspect.inspect)
 app.command("validate")(validate.validate)
 app.command("export")(export.export)
 app.command("import-minference")(import_minference.import_minference)
+app.command("check-export")(engines.check_export)
 app.command("diff")(diff.diff)
 app.command("sweep-nosa")(sweep_nosa.sweep_nosa)
 app.add_typer(spava.app, name="spava")

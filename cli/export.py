@@ -9,19 +9,21 @@ import typer
 
 from ._shared import ArtifactArg
 from .common import BadInput, JsonOpt, err_console, exits_cleanly, print_json
+from .engines import ENGINE_FORMATS, engine_out_free, export_engine, print_engine_notes
 
-FORMATS = ("minference", "flex", "duo", "json")
+FORMATS = ("minference", "flex", "duo", "json", "qwen-1m", "flashprefill")
 
 
 @exits_cleanly
 def export(
     artifact: ArtifactArg,
-    fmt: Annotated[str, typer.Option("--format", help="minference (MInference / Qwen-1M JSON), flex (FlexAttention block lists, .safetensors), duo (DuoAttention TSV) or json.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", help="minference (MInference JSON), flex (FlexAttention block lists, .safetensors), duo (DuoAttention TSV), json, qwen-1m (sparse_attention_config.json for the dual-chunk engines) or flashprefill (its dense-prefix flag line); see docs/deploying.md.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="File to write (never a directory); replaced atomically.", show_default=False)],
     tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex: sequence length the block lists are built for (static patterns).")] = None,
     block: Annotated[int, typer.Option("--block", help="flex: FlexAttention tile size (16, 32, 64 or 128); which keys are admitted follows the artifact's own block sizes.")] = 128,
     qk: Annotated[Optional[Path], typer.Option("--qk", help="flex: .safetensors with q.{layer} [B,Hq,N,D] and k.{layer} [B,Hkv,N,D] for dynamic patterns.")] = None,
     global_only: Annotated[bool, typer.Option("--global-only", help="Export only the global (all x all) rows of a multi-modal calibration: boundary heads as their global pattern, what the runtime runs without modality ids.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="qwen-1m, flashprefill: replace an existing --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export an artifact to MInference JSON, FlexAttention block lists, DuoAttention TSV or plain JSON.
@@ -41,6 +43,8 @@ def export(
     check_output_file(out)
     # An export is one new file: never one of the artifact's (nor inside its directory), never the --qk input.
     check.output_path("--out", out, reads={"artifact": artifact, "--qk": qk})
+    if fmt in ENGINE_FORMATS:
+        engine_out_free(out, overwrite)
     art = load_artifact(artifact)
     if global_only and "heads.parquet" in art.tables:
         from sparsesearch.export._common import global_only as keep_global
@@ -58,13 +62,17 @@ def export(
         from sparsesearch.export.json_dump import write_json
 
         path = write_json(art, out)
+    elif fmt in ENGINE_FORMATS:
+        path, extra = export_engine(art, fmt, out)
     else:
         path = _export_flex(art, out, tokens, block, qk)
     digest = sha256_file(path)
     if json_out:
-        print_json({"format": fmt, "out": str(path), "sha256": digest})
+        print_json({"format": fmt, "out": str(path), "sha256": digest, **(extra if fmt in ENGINE_FORMATS else {})})
     else:
         err_console.print(f"wrote {fmt} export of {art.path} to {path}", highlight=False)
+        if fmt in ENGINE_FORMATS:
+            print_engine_notes(extra)
 
 
 def _export_flex(art, out: Path, tokens: Optional[int], block: int, qk: Optional[Path]) -> Path:

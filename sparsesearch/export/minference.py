@@ -19,7 +19,9 @@ block_topk      ["block_sparse", k_blocks, sink_blocks, s]             MInferenc
 dense           ["vertical_and_slash", 2**30, 2**30, s]                every column and every diagonal: MInference
                                                                        clamps both sizes to the context length, so
                                                                        this is dense causal attention there; import
-                                                                       reads exactly this pair back as dense.
+                                                                       reads this pair back as dense, and any
+                                                                       vertical size reaching the model's context
+                                                                       (every column there; export.qwen1m).
 triangle, grid  refused                                                the format has no such type.
 ==============  =====================================================  ===========================================
 
@@ -124,7 +126,10 @@ def _read_source(source) -> tuple[list, str | None, str]:
     return parse_json(data, path.name), path.name, sha256_bytes(data)
 
 
-def _row_from_entry(entry, layer: int, head: int, label: str) -> dict:
+def _row_from_entry(entry, layer: int, head: int, label: str, context: int | None = None) -> dict:
+    """One heads row of an entry. ``context`` (the model's max_position_embeddings): a vertical_and_slash entry
+    whose vertical size reaches it keeps every column of any prompt the model takes, so it is read as dense (the
+    qwen-1m export writes dense heads that way, since those engines cannot take the 2**30 pair)."""
     from sparsesearch.patterns import PARAMS
 
     where = f"{label}: layer {layer} head {head}"
@@ -141,7 +146,7 @@ def _row_from_entry(entry, layer: int, head: int, label: str) -> dict:
     if score is not None and not math.isfinite(score):  # a parsed list may hold float('nan'); files cannot (json_input)
         raise ValueError(f"{where}: score must be finite or null, got {score!r}")
     try:
-        if kind == "vertical_and_slash" and first == DENSE_SIZE and second == DENSE_SIZE:
+        if kind == "vertical_and_slash" and (first == second == DENSE_SIZE or (context is not None and first >= context)):
             pattern, params = "dense", PARAMS["dense"]()
         elif kind == "vertical_and_slash":
             pattern, params = "vertical_slash", PARAMS["vertical_slash"](vertical_size=first, slash_size=second, **VS_FIXED)
@@ -182,7 +187,7 @@ def import_minference(source, model_info: ModelInfo, *, created: str | None = No
             head = int(key)
             if head >= heads:
                 raise ValueError(f"{label}: layer {layer} head {head} out of range [0, {heads}) (query heads of {model_info.id})")
-            rows.append(_row_from_entry(entry, layer, head, label))
+            rows.append(_row_from_entry(entry, layer, head, label, model_info.max_position_embeddings))
             seen.add(head)
         window = model_info.window_of(layer)
         for head in range(heads):

@@ -1,0 +1,84 @@
+"""Exports that serving engines read (qwen-1m, flashprefill) and `sparsesearch check-export`, which checks such a
+file (or a MInference config) against a model's config and the engine's rules before deploying it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._shared import TrustOpt, model_info
+from .common import BadInput, JsonOpt, err_console, exits_cleanly, print_json
+
+ENGINE_FORMATS = ("qwen-1m", "flashprefill")
+
+
+def engine_out_free(out: Path, overwrite: bool) -> None:
+    """An engine file is deployed as is: replacing one silently could swap a server's config under it."""
+    if out.exists() and not overwrite:
+        raise BadInput(f"--out {out} exists; pass --overwrite to replace it or choose another --out")
+
+
+def export_engine(art, fmt: str, out: Path) -> tuple[Path, dict]:
+    """Write ``art`` as ``fmt`` at ``out``; (path, what to tell the user besides: the DCA block, the flag line)."""
+    if fmt == "qwen-1m":
+        from sparsesearch.export.qwen1m import architecture_note, dca_block, write_qwen1m
+
+        path = write_qwen1m(art, out)
+        return path, {"dual_chunk_attention_config": dca_block(), "note": architecture_note(art)}
+    from sparsesearch.export.flashprefill import flag_line, write_flashprefill
+
+    path = write_flashprefill(art, out)
+    return path, {"flag": flag_line(art)}
+
+
+def print_engine_notes(extra: dict) -> None:
+    """The lines a user needs to deploy the file: what to merge by hand, or the flag to pass."""
+    import json
+
+    if "flag" in extra:
+        err_console.print(f"server flag: {extra['flag']}", highlight=False)
+        return
+    block = json.dumps(extra["dual_chunk_attention_config"], sort_keys=True)
+    err_console.print(f"put it beside the model's config.json as sparse_attention_config.json, and merge {block} into "
+                      f"that config's dual_chunk_attention_config by hand (see docs/deploying.md)", highlight=False, soft_wrap=True)
+    if extra.get("note"):
+        err_console.print(f"note: {extra['note']}", highlight=False, soft_wrap=True)
+
+
+@exits_cleanly
+def check_export(
+    file: Annotated[Path, typer.Argument(help="Exported file to check.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", help="minference, qwen-1m or flashprefill.", show_default=False)],
+    model: Annotated[str, typer.Option("--model", help="Model id, path or alias the file is for.", show_default=False)],
+    tp: Annotated[Optional[int], typer.Option("--tp", help="qwen-1m, flashprefill: tensor-parallel size the server will run with.")] = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check an exported file against the model's config and its engine's rules: one line per problem or note.
+
+    Exit 0 when there is no problem (notes say where the engine silently runs something else), 2 otherwise;
+    a file that is not the format at all is one error line, exit 2.
+
+    Example: sparsesearch check-export sparse_attention_config.json --format qwen-1m --model Qwen/Qwen2.5-7B-Instruct-1M --tp 4
+    """
+    from sparsesearch.export.check import FORMATS, check_file
+
+    if fmt not in FORMATS:
+        raise BadInput(f"--format must be one of {', '.join(FORMATS)} for a check, got {fmt!r}")
+    if tp is not None and tp < 1:
+        raise BadInput(f"--tp must be >= 1, got {tp}")
+    info = model_info(model, trust_remote_code)
+    findings = check_file(file, fmt, info, tp=tp)
+    problems = [f for f in findings if f.level == "problem"]
+    if json_out:
+        print_json({"file": str(file), "format": fmt, "model": info.id, "ok": not problems,
+                    "findings": [{"level": f.level, "text": f.text} for f in findings]})
+    else:
+        for finding in findings:
+            err_console.print(finding.line(), highlight=False, soft_wrap=True, markup=False)
+        verdict = f"{len(problems)} problem(s)" if problems else "ok"
+        err_console.print(f"{file.name} as {fmt} for {info.id}: {verdict}, {len(findings) - len(problems)} note(s)", highlight=False)
+    if problems:
+        raise typer.Exit(code=2)
