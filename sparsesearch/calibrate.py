@@ -144,12 +144,13 @@ def preflight(cfg: CalibrateConfig):
     check_config(cfg)
     space = load_space(cfg.search_space)
     check.out_dir("--out", cfg.out, overwrite=cfg.overwrite)
-    check.data("--data", cfg.data, tokens=cfg.max_tokens)
-    for spec in eval_specs(cfg.eval_data) if cfg.eval_samples else []:
-        check.data("--eval-data", spec, tokens=cfg.eval_tokens or cfg.max_tokens, held_out=True)
+    # The context first: a length past it is refused as that, not as data too short to hold it.
     info = check.model_info(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, device=cfg.device)
     check.tokens_fit("--max-tokens", cfg.max_tokens, info)
     check.tokens_fit("--eval-tokens", cfg.eval_tokens, info)
+    check.data("--data", cfg.data, tokens=cfg.max_tokens)
+    for spec in eval_specs(cfg.eval_data) if cfg.eval_samples else []:
+        check.data("--eval-data", spec, tokens=cfg.eval_tokens or cfg.max_tokens, held_out=True)
     return space
 
 
