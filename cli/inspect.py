@@ -70,20 +70,25 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
     boundaries = any(layer["boundaries"] for layer in summary["layers"])
     if boundaries:
         table.add_column("boundary heads")
+    tied = bool(summary["ties"])
+    if tied:
+        table.add_column("tied", justify="right")  # picks that won on cost between equal objectives of two kinds
     table.add_column("mean density", justify="right")
     table.add_column("mean score", justify="right")
     for layer in summary["layers"]:
         kinds = [", ".join(f"{k}×{n}" for k, n in layer["boundaries"].items()) or "-"] if boundaries else []
         attention = [f"window {layer['window']}" if layer["attention"] == "sliding" else "global"] if hybrid else []
+        ties = [str(layer["ties"])] if tied else []
         table.add_row(
-            str(layer["layer"]), *attention, *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds,
+            str(layer["layer"]), *attention, *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds, *ties,
             _num(layer["mean_density"]), _num(layer["mean_score"]),
         )
     out_console.print(table)
     _print_reasons(summary["reasons"])
+    _print_ties(summary["ties"])
 
 
-REASONS_SHOWN = 20  # table rows of reasons; --json lists every one
+REASONS_SHOWN = 20  # table rows of reasons, and of ties; --json lists every one
 
 
 def _print_reasons(reasons: list[dict]) -> None:
@@ -99,3 +104,19 @@ def _print_reasons(reasons: list[dict]) -> None:
     out_console.print(table)
     if len(reasons) > REASONS_SHOWN:
         out_console.print(f"... and {len(reasons) - REASONS_SHOWN} more (--json lists every one)", highlight=False)
+
+
+def _print_ties(ties: list[dict]) -> None:
+    """Picks whose objective tied a candidate of another kind (heads.parquet ``tie``): the pattern won on
+    cost, so the kind is a coin toss between the two, not a preference the data showed."""
+    if not ties:
+        return
+    table = Table(title=f"picks that tied another kind and won on cost ({len(ties)})")
+    for name in ("layer", "head", "region", "pattern", "tied with", "output error"):
+        table.add_column(name, justify="right" if name in ("layer", "head", "output error") else "left")
+    for r in ties[:REASONS_SHOWN]:
+        table.add_row(str(r["layer"]), str(r["head"]), f"{r['q_modality']}->{r['k_modality']}", r["pattern"], r["tie"],
+                      _num(r["output_error"], ".4f"))
+    out_console.print(table)
+    if len(ties) > REASONS_SHOWN:
+        out_console.print(f"... and {len(ties) - REASONS_SHOWN} more (--json lists every one)", highlight=False)

@@ -714,7 +714,7 @@ def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none"
         "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
         "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
         "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
-        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"),
+        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"), "tie": r.get("tie"),
     }
     row.update(row_from_params(r["params"]))
     return row

@@ -238,7 +238,8 @@ def region_index(g: HeadGroup, q, k, region, space: str) -> BlockIndex:
 
 def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: float, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One region's attention (patterns/boundary.py Region) for the heads of ``groups``: one index build and
-    one launch per group in the region's frame, its rows and keys read in place (Region.maps).
+    one launch per group in the region's frame, its rows and keys read in place (Region.maps); a grid
+    group in the form the search scored it in (``grid_form``, ``_attend_grid_lines``).
     q [1, Hq, N, D], k/v [1, Hkv, N, D]. Returns out [1, Hq, Nq_r, D] and lse fp32 [1, Hq, Nq_r] over the
     region's rows (heads no group serves stay (0, -inf)); or, given out [1, Hq, N, D] and lse [1, Hq, N],
     writes the served heads' rows there at their original positions and returns them."""
@@ -249,10 +250,42 @@ def run_region(q, k, v, region, groups: list[HeadGroup], space: str, scale: floa
         out = q.new_zeros(q.shape[0], q.shape[1], rows, q.shape[3])
         lse = torch.full((q.shape[0], q.shape[1], rows), float("-inf"), dtype=torch.float32, device=q.device)
     for g in groups:
-        index = region_index(g, q, k, region, space)
         ids = device_ids(tuple(g.heads), q.device, torch.int32)
-        sparse_attend(q, k, v, index, scale, ids, out, lse, None if maps is not None else region.row_pos, maps=maps)
+        lines = None
+        if g.pattern == "grid" and region.row_pos is None:  # grid has no region form (region_index refuses one)
+            index, lines = grid_form(g, region.q_idx.numel(), region.k_idx.numel(), space, q.device, batch=q.shape[0])
+        else:
+            index = region_index(g, q, k, region, space)
+        if lines is not None:
+            _attend_grid_lines(q, k, v, region, maps, g, index, lines, space, scale, ids, out, lse)
+        else:
+            sparse_attend(q, k, v, index, scale, ids, out, lse, None if maps is not None else region.row_pos, maps=maps)
     return out, lse
+
+
+def _attend_grid_lines(q, k, v, region, maps: RegionMaps | None, g: HeadGroup, index: BlockIndex, lines: GridLines,
+                       space: str, scale: float, ids: torch.Tensor, out, lse) -> None:
+    """A grid group of an identity-frame region in its lines form (``grid_form``): the form the search scored
+    and costed it in (search/layer.py score_candidate), so the boundary composition and the runtime run
+    what the search measured (issue P11 §2: the plain cover ran here, error 0.000 at density 1.0 while costed
+    at 0.11-0.33). The kernels read lines only over a dense [B, H, N, D] layout, not through region maps,
+    so a modality's own rows and keys are gathered first: O(N_r x D) copies against attention's
+    O(N_r^2 x density x D). The whole sequence (maps None) needs none. out/lse as ``run_region``'s."""
+    if maps is None:
+        sparse_attend(q, k, v, index, scale, ids, out, lse, lines=lines)
+        return
+    q_r, k_r, v_r = region.gather(q, k, v)
+    out_r = torch.empty_like(q_r)
+    lse_r = torch.empty(q_r.shape[:3], dtype=torch.float32, device=q.device)
+    sparse_attend(q_r, k_r, v_r, index, scale, ids, out_r, lse_r, lines=lines)
+    q_ids = device_ids(tuple(query_heads(g.heads, space, q.shape[1] // k.shape[1])), q.device)
+    if out.shape[2] == q_r.shape[2]:  # out over the region's rows
+        out[:, q_ids] = out_r[:, q_ids].to(out.dtype)
+        lse[:, q_ids] = lse_r[:, q_ids]
+        return
+    rows = region.q_idx[None, :]  # out over the whole sequence: the region's rows at their positions
+    out[:, q_ids[:, None], rows] = out_r[:, q_ids].to(out.dtype)
+    lse[:, q_ids[:, None], rows] = lse_r[:, q_ids]
 
 
 def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callable[[str], tuple[HeadGroup, ...]], q, k, v,

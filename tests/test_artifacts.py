@@ -121,6 +121,32 @@ def test_reason_round_trips_and_files_without_the_column_still_load(tmp_path):
     assert all(r["reason"] is None for r in art.head_rows())
 
 
+def test_tie_round_trips_is_checked_and_older_files_load_without_it(tmp_path):
+    """heads.parquet ``tie`` (search/layer.py choose_head): written and read back; a file written before
+    the column (the reference artifact predates it and ``reason``) loads with it null, in schema order;
+    a tie must name a pattern other than the row's own."""
+    rows = mix_rows()
+    rows[0]["tie"] = "ashape"  # a vertical_slash pick that tied A-shape
+    path = make_artifact(tmp_path / "art", rows)
+    ties = {(r["layer"], r["head"]): r["tie"] for r in load_artifact(path).head_rows()}
+    assert ties.pop((rows[0]["layer"], rows[0]["head"])) == "ashape" and set(ties.values()) == {None}
+    file = path / "heads.parquet"
+    table = pq.read_table(file)
+    pq.write_table(table.drop_columns(["tie"]).replace_schema_metadata(table.schema.metadata), file)
+    rehash(path)
+    art = load_artifact(path)
+    assert list(art.heads.columns) == [f.name for f in art_io.HEADS_SCHEMA]
+    assert all(r["tie"] is None for r in art.head_rows())
+    reference = load_artifact(Path(__file__).resolve().parents[1] / "artifacts" / "reference" / "smollm2-135m-4k")
+    assert "tie" not in pq.read_table(reference.path / "heads.parquet").column_names
+    assert list(reference.heads.columns) == [f.name for f in art_io.HEADS_SCHEMA]
+    assert all(r["tie"] is None for r in reference.head_rows())
+    for bad in ("vertical_slash", "magic"):  # its own pattern; no pattern
+        rows[0]["tie"] = bad
+        with pytest.raises(ArtifactError, match=f"tie must name a known pattern other than the row's 'vertical_slash', got '{bad}'"):
+            make_artifact(tmp_path / bad, rows)
+
+
 def test_loaded_frame_can_be_written_again_unchanged(tmp_path):
     first = make_artifact(tmp_path / "a")
     art = load_artifact(first)

@@ -77,6 +77,22 @@ def test_inspect_shows_why_a_pick_is_not_the_best(tmp_path):
     assert "best admissible" not in run("inspect", make_artifact(tmp_path / "plain")).stdout
 
 
+def test_inspect_shows_which_picks_tied_another_kind(tmp_path):
+    """A pick that won on cost between equal objectives (heads.parquet ``tie``) is listed with the kind it
+    tied, counted per layer, and absent where nothing tied."""
+    rows = mix_rows()
+    rows[0]["tie"], rows[0]["output_error"] = "ashape", 0.0004  # layer 0 head 0: vertical_slash
+    path = make_artifact(tmp_path / "art", rows)
+    summary = json.loads(run("inspect", path, "--json").stdout)
+    assert summary["ties"] == [{"layer": 0, "head": 0, "q_modality": "all", "k_modality": "all", "pattern": "vertical_slash",
+                                "tie": "ashape", "output_error": 0.0004}]
+    assert [layer["ties"] for layer in summary["layers"]] == [1, 0]
+    human = run("inspect", path).stdout
+    assert "tied another kind and won on cost (1)" in human and "0.0004" in human
+    plain = run("inspect", make_artifact(tmp_path / "plain")).stdout
+    assert "tied" not in plain
+
+
 # -------------------------------------------------------------------------------------------- validate
 
 

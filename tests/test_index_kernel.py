@@ -179,23 +179,31 @@ def test_benchmark_helpers_on_cpu():
 
 # ------------------------------------------------------------------------------------------ vertical-slash
 #
-# The estimate's column and diagonal sums are sums of softmax probabilities: no planting makes them exact
-# in two implementations. The data is random instead, and each case first checks on the torch sums that
-# the top-k boundary (the take-th vs the next value of every head) is far from a tie (1e-4 relative, fp32
-# rounding is ~1e-6), trying a few seeds; the index must then be equal exactly. Exact ties get their own
-# test (q = 0: uniform rows, so every fully visible column and diagonal ties in both implementations).
+# The estimate's line scores are sums of softmax probabilities: no planting makes them exact in two
+# implementations. The data is random instead, and each case first checks on the torch scores that the
+# top-k boundary (the take-th vs the next value of every head) is far from a tie (1e-4 relative, fp32
+# rounding is ~1e-6) and that no diagonal lies that close to the slash floor, trying a few seeds; the
+# index must then be equal exactly. Scores of exactly 0 (below the floor, or one row's line) tie in both
+# implementations and go to the lower id. Exact ties get their own test (q = 0: uniform rows, so every
+# fully visible column and diagonal ties in both implementations).
 
 
 def boundary_gap(sums, take: int, force: int) -> float:
     """Smallest relative gap, over heads, between the take-th and the next largest of sums [B, H, N] with
-    the first ``force`` entries forced (+inf); inf when every entry is taken."""
+    the first ``force`` entries forced (+inf); inf when every entry is taken or the two are both exactly 0."""
     sums = sums.clone()
     sums[..., :force] = float("inf")
     if take >= sums.shape[-1]:
         return float("inf")
     top = sums.sort(dim=-1, descending=True).values
     edge, after = top[..., take - 1], top[..., take]
-    return float(((edge - after) / after.abs().clamp(min=1e-30)).min())
+    gap = (edge - after) / after.abs().clamp(min=1e-30)
+    return float(torch.where((edge == 0) & (after == 0), float("inf"), gap).min())
+
+
+def floor_gap(diag, floor: float) -> float:
+    """Smallest relative distance of the discounted diagonal sums [B, H, N] to the slash floor."""
+    return float(((diag - floor).abs() / floor).min())
 
 
 def separated_qk(params, batch, q_heads, kv_heads, q_len, kv_len, space, dtype=torch.float32):
@@ -206,10 +214,12 @@ def separated_qk(params, batch, q_heads, kv_heads, q_len, kv_len, space, dtype=t
         gen = torch.Generator().manual_seed(seed)
         q = (torch.randn(batch, q_heads, q_len, DIM, generator=gen) * 2).to(dtype)
         k = torch.randn(batch, kv_heads, kv_len, DIM, generator=gen).to(dtype)
-        cols, diag = last_q_sums(q, k, params.last_q, head_space=space)
+        _, raw = last_q_sums(q, k, params.last_q, head_space=space, discount=True)
+        cols, diag = vertical_slash.line_scores(params, q, k, head_space=space)
         v, s = min(params.vertical_size, kv_len), min(params.slash_size, kv_len)
         gaps = (boundary_gap(cols, v, vertical_slash.forced(params.force_vertical, params.vertical_size)),
-                boundary_gap(diag, s, vertical_slash.forced(params.force_slash, params.slash_size)))
+                boundary_gap(diag, s, vertical_slash.forced(params.force_slash, params.slash_size)),
+                floor_gap(raw, vertical_slash.slash_floor(params.last_q, q, k, space)))
         if min(gaps) > 1e-4:
             return q.to(DEVICE), k.to(DEVICE)
     raise AssertionError("no seed gives separated top-k boundaries; pick other shapes")

@@ -67,12 +67,16 @@ HEADS_SCHEMA = pa.schema(
         # Why the pick is not the head's best admissible sparse candidate (search/layer.py choose_head, or a
         # quality target that left the head dense); null when it is, or when not searched:
         pa.field("reason", pa.string(), nullable=True),
+        # The pattern of another kind whose objective tied the pick's (search/layer.py TIE_ABS / TIE_REL): the
+        # pick won on cost between equals, a coin toss between the two kinds; null when the pick was
+        # strictly the best (a real preference), was not chosen among equals, or was not searched:
+        pa.field("tie", pa.string(), nullable=True),
     ]
 )
 
 # Nullable columns added to heads.parquet v1 after artifacts without them were written: such a file loads
 # with the column null (artifacts/io.py), so no migration is needed. New columns go here and at the end.
-ADDED_COLUMNS = ("reason",)
+ADDED_COLUMNS = ("reason", "tie")
 
 
 def is_global(row: dict) -> bool:
@@ -97,7 +101,7 @@ def window_row(layer: int, head: int, window: int, *, density: float | None = No
         "layer": layer, "head": head, "q_modality": ALL_MODALITIES, "k_modality": ALL_MODALITIES,
         "boundary": "none", "pattern": "ashape", **row_from_params(window_params(window)),
         "block_m": WINDOW_BLOCK, "block_n": WINDOW_BLOCK, "density": density, "recall": None,
-        "output_error": None, "latency_ms": None, "score": None, "reason": None,
+        "output_error": None, "latency_ms": None, "score": None, "reason": None, "tie": None,
     }
 
 

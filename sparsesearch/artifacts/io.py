@@ -351,12 +351,14 @@ def load_artifact(path, *, model_info: ModelInfo | None = None) -> Artifact:
 
 
 def _with_added_columns(table: pa.Table) -> pa.Table:
-    """heads.parquet with each of ADDED_COLUMNS it predates appended as all-null (written before it existed)."""
+    """heads.parquet with each of ADDED_COLUMNS it predates appended as all-null (written before it existed),
+    the columns in HEADS_SCHEMA's order (a file may lack one added column and hold a later one)."""
     for name in ADDED_COLUMNS:
         if name not in table.column_names:
             typ = HEADS_SCHEMA.field(name).type
             table = table.append_column(pa.field(name, typ, nullable=True), pa.nulls(table.num_rows, type=typ))
-    return table
+    known = [f.name for f in HEADS_SCHEMA if f.name in table.column_names]
+    return table.select(known + [name for name in table.column_names if name not in known])
 
 
 def _check_table_size(file: Path, root: Path, name: str) -> None:

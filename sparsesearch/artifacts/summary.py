@@ -41,12 +41,21 @@ def reasons(rows: list[dict]) -> list[dict]:
              "pattern": r["pattern"], "reason": r["reason"]} for r in rows if r.get("reason")]
 
 
+def ties(rows: list[dict]) -> list[dict]:
+    """The rows whose pick tied a candidate of another kind (heads.parquet ``tie``: it won on cost between
+    equal objectives, a coin toss between the two kinds), in stored order: layer, head, modality pair,
+    pattern, the tied kind and the pick's output error."""
+    return [{"layer": r["layer"], "head": r["head"], "q_modality": r["q_modality"], "k_modality": r["k_modality"],
+             "pattern": r["pattern"], "tie": r["tie"], "output_error": r["output_error"]} for r in rows if r.get("tie")]
+
+
 def summarize(artifact: Artifact) -> dict:
     """Model, provenance, methods, files, and per-layer pattern and boundary mix with mean density and
     score. Per-layer figures and metrics cover the global (all x all) rows, one per head; the modality
     region rows of multi-modal calibrations are counted in ``modality_pairs``. On a hybrid model each layer
     says whether it is "sliding" (its rows are the model's window, ``window``) or "global" (searched).
-    ``reasons``: the rows whose pick is not their best admissible candidate, with why (``reasons``)."""
+    ``reasons``: the rows whose pick is not their best admissible candidate, with why (``reasons``);
+    ``ties``: the rows whose pick tied another kind (``ties``), and per layer the global rows that did."""
     m = artifact.manifest
     model = m["model"]
     rows = artifact.head_rows() if HEADS_FILE in artifact.tables else []
@@ -68,6 +77,7 @@ def summarize(artifact: Artifact) -> dict:
             "rows": len(mine),
             "patterns": {p: counts.get(p, 0) for p in patterns},
             "boundaries": dict(sorted(Counter(r["boundary"] for r in mine if r["boundary"] != "none").items())),
+            "ties": sum(1 for r in mine if r.get("tie")),
             "mean_density": fmean(densities) if densities else None,
             "mean_score": fmean(scores) if scores else None,
         })
@@ -90,4 +100,5 @@ def summarize(artifact: Artifact) -> dict:
         "metrics": {name: _stats([r[name] for r in global_rows if r[name] is not None]) for name in METRICS},
         "layers": layers,
         "reasons": reasons(rows),
+        "ties": ties(rows),
     }

@@ -125,7 +125,7 @@ def heads_space_size(manifest: dict) -> int:
 
 def check_heads(records: list[dict], manifest: dict, *, where: str = HEADS_FILE) -> None:
     """Check every row against the manifest: ranges, modality names, boundary, block sizes, pattern and
-    params (via params_from_row), parameter columns the pattern does not have, measured values, repeats,
+    params (via params_from_row), the tie's pattern, parameter columns the pattern does not have, measured values, repeats,
     and on a hybrid model's sliding layers that every row is the model's window (columns.check_window_rows)."""
     from sparsesearch.patterns import PARAMS
 
@@ -154,6 +154,8 @@ def check_heads(records: list[dict], manifest: dict, *, where: str = HEADS_FILE)
         pattern = row["pattern"]
         if pattern not in PARAMS:
             raise ArtifactError(f"{at}: unknown pattern {pattern!r} (known: {sorted(PARAMS)})")
+        if row["tie"] is not None and (row["tie"] not in PARAMS or row["tie"] == pattern):
+            raise ArtifactError(f"{at}: tie must name a known pattern other than the row's {pattern!r}, got {row['tie']!r}")
         stray = [c for c in PARAM_COLUMNS if row[c] is not None and c not in param_names[pattern]]
         if stray:
             raise ArtifactError(f"{at}: column(s) {stray} set, but pattern {pattern} has no such parameter")

@@ -300,10 +300,12 @@ def block_topk_index(
 # 1. ``_vs_row_stats``: per (key chunk, batch, query head), the softmax max and sum of each of the last R
 #    query rows over the chunk's causal keys (split so that short prompts still fill the GPU).
 # 2. ``_vs_sums``: per (key tile, batch, index head): the probabilities of the tile's keys under the merged
-#    row stats (``_vs_stats_merge``), summed over rows into the tile's column sums and, through a skewed
-#    gather, into diagonal sums (offset d = pos - j) in two parts, the rows inside the tile and those in
-#    the next; kv head space sums the GQA group's heads.
-# 3. ``_vs_top``: per (batch, index head, line kind): a diagonal's two parts added, the forced lines get +inf, the exact top-k of
+#    row stats (``_vs_stats_merge``), summed over rows into the tile's column sums less their largest row
+#    (the discount of ``_common.line_sums``) and, through a skewed gather, into diagonal sums (offset
+#    d = pos - j) in two parts with their largest rows, the rows inside the tile and those in the next;
+#    kv head space sums the GQA group's heads.
+# 3. ``_vs_top``: per (batch, index head, line kind): the line scores (a diagonal's two parts added less
+#    the larger peak, 0 below ``vertical_slash.slash_floor``), the forced lines get +inf, the exact top-k of
 #    ``_top_take`` picks the rest (ties to the lower id); the ids go out ascending, and for the slashes
 #    the prefix counts ``below[x]`` = chosen offsets < x. Past VS_TOP_LANES keys (one program's registers)
 #    in stages: every chunk keeps its own top-take as candidates (``_vs_top_chunk``); while those exceed
@@ -404,7 +406,7 @@ def _vs_stats_merge(M, L, M_OUT, L_OUT, chunks, R_P2: tl.constexpr, C_TILE: tl.c
 
 @triton.jit
 def _vs_sums(
-    Q, K, M, L, COLS, DIAG, DIAG_NEXT, q_len, kv_len, rows, heads, q_heads, scale,
+    Q, K, M, L, COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, q_len, kv_len, rows, heads, q_heads, scale,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     GROUP: tl.constexpr, PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, R_P2: tl.constexpr,
     TILE: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
@@ -413,7 +415,8 @@ def _vs_sums(
     sums of its keys and the diagonal offsets [d0, d0 + TILE), d0 = kv_len - rows - A - TILE + 1. Offset
     d0 + t's entries lie in this tile for rows r <= t and in the next tile for the rest, so a diagonal is
     two partial sums: this tile's rows r <= t into DIAG[d0 + t], and the rows r > t, which are the previous
-    tile's offsets d0 + TILE + t, into DIAG_NEXT there (the top-k adds the two). Both read slot
+    tile's offsets d0 + TILE + t, into DIAG_NEXT there (the top-k adds the two; PEAK / PEAK_NEXT hold each
+    part's largest row, the discount of _common.line_sums). Both read slot
     (r - 1 - t) mod TILE of the row, one skewed gather. Each key's scores are computed once; a window wide
     enough to hold whole diagonals (TILE + R_P2 - 1 keys, a power of two: 128) computed every key twice."""
     p = tl.program_id(0)
@@ -443,7 +446,7 @@ def _vs_sums(
         q = _tail_rows(Q, b, qh, stride_qb, stride_qh, stride_qn, q_len, rows, r, offs_d, HEAD_DIM)
         s = _dot(q, kt, DOT_F32, IEEE) * scale
         total += tl.where(ok, tl.exp(s - m_safe[:, None]) * inv_l[:, None], 0.0)
-    cols = tl.sum(total, 0)
+    cols = tl.sum(total, 0) - tl.max(total, 0)  # discounted (_common.line_sums): probabilities are >= 0
     # [R_P2, TILE]: row r's entry at offset d0 + t. The two parts are summed in fp64 and added before one
     # rounding (_line_scores): fp32 parts would round each offset's sum at its own split point, so offsets
     # that tie exactly in the reference's fp32 sums (uniform rows) would no longer tie.
@@ -451,19 +454,27 @@ def _vs_sums(
     own = r[:, None] <= t[None, :]
     diag = tl.sum(tl.where(own, skewed, 0.0), 0)
     diag_prev = tl.sum(tl.where(own, 0.0, skewed), 0)
+    peak = tl.max(tl.where(own, skewed, 0.0), 0)
+    peak_prev = tl.max(tl.where(own, 0.0, skewed), 0)
     out = bh.to(tl.int64) * kv_len
     tl.store(COLS + out + keys, cols, mask=(keys >= 0) & (keys < kv_len))
     d = kv_len - rows - a - TILE + 1 + t
     tl.store(DIAG + out + d, diag, mask=(d >= 0) & (d < kv_len))
+    tl.store(PEAK + out + d, peak, mask=(d >= 0) & (d < kv_len))
     tl.store(DIAG_NEXT + out + d + TILE, diag_prev, mask=(d + TILE >= 0) & (d + TILE < kv_len))
+    tl.store(PEAK_NEXT + out + d + TILE, peak_prev, mask=(d + TILE >= 0) & (d + TILE < kv_len))
 
 
 @triton.jit
-def _line_scores(COLS, DIAG, DIAG_NEXT, offs, ok, slash):
-    """fp32 line scores at ``offs``: column sums, or for slashes a diagonal's two fp64 parts (_vs_sums)
-    added and then rounded once."""
+def _line_scores(COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, offs, ok, slash, floor):
+    """fp32 line scores at ``offs`` (vertical_slash.line_scores): the discounted column sums, or for slashes
+    a diagonal's two fp64 parts (_vs_sums) added, less the larger of the two parts' peaks, rounded once,
+    and 0 below ``floor``."""
     if slash:
-        scores = (tl.load(DIAG + offs, mask=ok, other=0.0) + tl.load(DIAG_NEXT + offs, mask=ok, other=0.0)).to(tl.float32)
+        peak = tl.maximum(tl.load(PEAK + offs, mask=ok, other=0.0), tl.load(PEAK_NEXT + offs, mask=ok, other=0.0))
+        total = tl.load(DIAG + offs, mask=ok, other=0.0) + tl.load(DIAG_NEXT + offs, mask=ok, other=0.0)
+        scores = (total - peak).to(tl.float32)
+        scores = tl.where(scores < floor, 0.0, scores)
     else:
         scores = tl.load(COLS + offs, mask=ok, other=0.0)
     return scores
@@ -473,13 +484,13 @@ def _line_scores(COLS, DIAG, DIAG_NEXT, offs, ok, slash):
 # a kernel again whenever an int argument crosses 1 or a multiple of 16 (a cold modal search compiled 8
 # variants of _vs_top and 6 of _vs_index). They stay generic; lengths and pointers, which set load alignment,
 # stay specialised.
-_LINES = ("n_vert", "n_slash", "force_vert", "force_slash")
+_LINES = ("n_vert", "n_slash", "force_vert", "force_slash", "floor")
 
 
 @triton.jit(do_not_specialize=_LINES)
 def _vs_top(
-    COLS, DIAG, DIAG_NEXT, VERT, SLASH, BELOW, kv_len, n_vert, n_slash, force_vert, force_slash,
-    NK_P2: tl.constexpr,
+    COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, VERT, SLASH, BELOW, kv_len, n_vert, n_slash, force_vert, force_slash,
+    floor, NK_P2: tl.constexpr,
 ):
     bh = tl.program_id(0)
     slash = tl.program_id(1) == 1
@@ -494,7 +505,7 @@ def _vs_top(
         out = SLASH + bh.to(tl.int64) * n_slash
     else:
         out = VERT + bh.to(tl.int64) * n_vert
-    scores = _line_scores(COLS, DIAG, DIAG_NEXT, row + lanes, ok, slash)
+    scores = _line_scores(COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, row + lanes, ok, slash, floor)
     scores = tl.where(lanes < force, float("inf"), scores)  # MInference's forced lines
     chosen = _top_take(scores, ok, take, lanes)  # exactly ``take`` lines: take <= kv_len
     slot = tl.cumsum(chosen.to(tl.int32), 0)
@@ -507,8 +518,8 @@ def _vs_top(
 
 @triton.jit(do_not_specialize=_LINES + ("width",))
 def _vs_top_chunk(
-    COLS, DIAG, DIAG_NEXT, CAND_S, CAND_I, kv_len, n_vert, n_slash, force_vert, force_slash, width,
-    CHUNK: tl.constexpr,
+    COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, CAND_S, CAND_I, kv_len, n_vert, n_slash, force_vert, force_slash,
+    floor, width, CHUNK: tl.constexpr,
 ):
     """Keys past VS_TOP_LANES, stage 1: each chunk of CHUNK keys keeps its own best min(take, chunk) lines
     as (score, key id) candidates, ascending by id, in its ``width`` slots (the rest id -1); stage 2
@@ -522,7 +533,7 @@ def _vs_top_chunk(
     ok = keys < kv_len
     take = tl.where(slash, n_slash, n_vert)
     force = tl.where(slash, force_slash, force_vert)
-    scores = _line_scores(COLS, DIAG, DIAG_NEXT, bh.to(tl.int64) * kv_len + keys, ok, slash)
+    scores = _line_scores(COLS, DIAG, DIAG_NEXT, PEAK, PEAK_NEXT, bh.to(tl.int64) * kv_len + keys, ok, slash, floor)
     scores = tl.where(keys < force, float("inf"), scores)
     take = tl.minimum(take, tl.minimum(kv_len - chunk * CHUNK, CHUNK))
     chosen = _top_take(scores, ok, take, lanes)
@@ -695,8 +706,9 @@ def _top_warps(lanes: int) -> int:
     return 4 if lanes <= 2048 else (8 if lanes <= 8192 else 16)
 
 
-def _vs_lines(cols, diag, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int) -> None:
-    """The top-k of the column sums [BH, kv_len] and the two-part diagonal sums [2, BH, kv_len] into
+def _vs_lines(cols, diag, vertical, slash, below, kv_len: int, n_vert: int, n_slash: int, force_vertical: int, force_slash: int,
+              floor: float) -> None:
+    """The top-k of the column sums [BH, kv_len] and the two-part diagonal sums and peaks [4, BH, kv_len] into
     vertical/slash (ascending) and the prefix counts ``below`` [BH, kv_len + 1] of the chosen offsets: one
     program per head and kind up to
     VS_TOP_LANES keys, else chunked (``_vs_top_chunk`` then ``_vs_top_merge``; inputs checked by
@@ -705,7 +717,7 @@ def _vs_lines(cols, diag, vertical, slash, below, kv_len: int, n_vert: int, n_sl
     if kv_len <= VS_TOP_LANES:
         nk_p2 = triton.next_power_of_2(kv_len)
         _vs_top[(bh, 2)](
-            cols, diag[0], diag[1], vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash,
+            cols, *diag, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash, floor,
             NK_P2=nk_p2, num_warps=_top_warps(nk_p2),
         )
         return
@@ -714,7 +726,7 @@ def _vs_lines(cols, diag, vertical, slash, below, kv_len: int, n_vert: int, n_sl
     cand_s = torch.empty(bh, 2, chunks, width, dtype=torch.float32, device=device)
     cand_i = torch.empty(bh, 2, chunks, width, dtype=torch.int32, device=device)
     _vs_top_chunk[(bh, 2, chunks)](
-        cols, diag[0], diag[1], cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, width,
+        cols, *diag, cand_s, cand_i, kv_len, n_vert, n_slash, force_vertical, force_slash, floor, width,
         CHUNK=VS_TOP_LANES, num_warps=16,
     )
     n_cand = chunks * width
@@ -740,6 +752,7 @@ def vertical_slash_index(
     last_q: int,
     force_vertical: int,
     force_slash: int,
+    slash_floor: float,
     head_space: str = "query",
     block_m: int = 64,
     block_n: int = 64,
@@ -747,9 +760,10 @@ def vertical_slash_index(
 ) -> tuple[BlockIndex, torch.Tensor, torch.Tensor]:
     """Vertical-slash index of q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (Nq <= Nk, bottom-right causal) with static
     widths (block lists as wide as ``vertical_slash.list_widths``, min(vertical_size, Nk) columns), and its lines: vertical ids int64 [B, H, V] and
-    slash offsets int64 [B, H, S], ascending. force_*: the forced counts (``vertical_slash.forced``). Equal
-    to ``vertical_slash.build_index(..., static_widths=True)`` where no two column or diagonal sums of a head
-    are within rounding at the top-k boundary. Inputs are checked by the caller (``vs_fusable``)."""
+    slash offsets int64 [B, H, S], ascending. force_*: the forced counts (``vertical_slash.forced``);
+    slash_floor: the slash score below which an offset is no line (``vertical_slash.slash_floor``). Equal
+    to ``vertical_slash.build_index(..., static_widths=True)`` where no two line scores of a head are within
+    rounding at the top-k boundary and none is within rounding of the floor. Inputs are checked by the caller (``vs_fusable``)."""
     batch, q_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -768,12 +782,12 @@ def vertical_slash_index(
     merged = torch.empty(2, batch * q_heads, r_p2, dtype=torch.float32, device=device)
     _vs_stats_merge[(batch * q_heads,)](stats[0], stats[1], merged[0], merged[1], chunks, R_P2=r_p2, C_TILE=VS_MERGE_TILE, num_warps=4)
     cols = torch.empty(batch * heads, kv_len, dtype=torch.float32, device=device)
-    diag = torch.empty(2, batch * heads, kv_len, dtype=torch.float64, device=device)  # a diagonal's two parts
+    diag = torch.empty(4, batch * heads, kv_len, dtype=torch.float64, device=device)  # a diagonal's two parts, their peaks
     # Tiles start one tile left of key 0, so that offsets up to kv_len - 1 are owned (R_P2 <= TILE), and run
     # one past the last key, so that every owned offset's second part is written (zeros there).
     tile = max(VS_TILE, r_p2)
     _vs_sums[(num_blocks(kv_len, tile) + 2, batch * heads)](
-        q, k, merged[0], merged[1], cols, diag[0], diag[1], q_len, kv_len, rows, heads, q_heads, scale,
+        q, k, merged[0], merged[1], cols, *diag, q_len, kv_len, rows, heads, q_heads, scale,
         *q.stride()[:3], *k.stride()[:3],
         GROUP=group, PER_KV=head_space == "kv", HEAD_DIM=dim, BLOCK_D=block_d(dim), R_P2=r_p2, TILE=tile, **dot,
         num_warps=4,
@@ -782,7 +796,7 @@ def vertical_slash_index(
     vertical = torch.empty(batch, heads, n_vert, dtype=torch.int64, device=device)
     slash = torch.empty(batch, heads, n_slash, dtype=torch.int64, device=device)
     below = torch.empty(batch * heads, kv_len + 1, dtype=torch.int32, device=device)
-    _vs_lines(cols, diag, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash)
+    _vs_lines(cols, diag, vertical, slash, below, kv_len, n_vert, n_slash, force_vertical, force_slash, slash_floor)
     from ..patterns.vertical_slash import list_widths  # local: the pattern module imports this one lazily
 
     q_blocks, kv_blocks = num_blocks(q_len, block_m), num_blocks(kv_len, block_n)

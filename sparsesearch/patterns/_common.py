@@ -295,6 +295,7 @@ def last_q_sums(
     scale: float | None = None,
     diagonals: bool = True,
     row_pos: torch.Tensor | None = None,
+    discount: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Column and diagonal sums of softmax(Q[-last_q:] K^T * scale) with the causal corner masked.
 
@@ -302,6 +303,8 @@ def last_q_sums(
     and ``diagonals`` [B, H, Nk] where entry d sums the probabilities at offset pos - j = d, or None.
     H is Hq for head_space "query", Hkv for "kv" (the GQA group's estimates summed, each head's softmax
     taken first). Memory O(Hq x last_q x Nk); K is never repeated.
+    discount: each sum less its largest single-row term (``line_sums``), the evidence of a line that one
+    row's crossing line cannot fake.
     """
     check_head_space(head_space)
     q_heads, kv_heads, q_len, kv_len = check_qk(q, k, row_pos)
@@ -317,28 +320,34 @@ def last_q_sums(
     causal = keys[None, :] <= pos[:, None]  # [rows, Nk]: O(last_q x Nk)
     # nan_to_num: a region row with no visible key (row_pos -1) has an all -inf row and counts nothing.
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).nan_to_num(0.0)
-    columns = probs.sum(dim=3)  # [B, Hkv, G, Nk]
+    # One [rows, Nk] plane per head of the space: a KV head's group summed first (sums are linear; the
+    # discount's largest row is taken of the group's sum, as the fused build does).
+    probs = probs.sum(dim=2) if head_space == "kv" else probs.reshape(batch, q_heads, rows, kv_len)
+    columns = line_sums(probs, discount)
     diag = None
     if diagonals and row_pos is not None:
         # Region rows are not consecutive positions: gather offset d = pos - j per row directly.
         src = pos[:, None] - keys[None, :]  # [rows, Nk]: key of offset d for each row
         gathered = probs.gather(-1, src.clamp(min=0).expand(*probs.shape[:-2], rows, kv_len))
-        diag = torch.where(src >= 0, gathered, 0.0).sum(dim=-2)
+        diag = line_sums(torch.where(src >= 0, gathered, 0.0), discount)
     elif diagonals:
         # Skew trick: left-pad each row by `rows` zeros, flatten, re-view with one more column per row;
         # row r shifts left by r, so key j of row r lands in column rows + j - r = rows + (kv_len - rows) - d.
         padded = torch.nn.functional.pad(probs, (rows, 0))  # [..., rows, rows + Nk]
         flat = torch.nn.functional.pad(padded.flatten(-2), (0, rows))
         skew = flat.view(*probs.shape[:-2], rows, rows + kv_len + 1)
-        col_sums = skew.sum(dim=-2)  # column c holds offset d = kv_len - c
+        col_sums = line_sums(skew, discount)  # column c holds offset d = kv_len - c
         diag = col_sums[..., 1: kv_len + 1].flip(-1)  # d = 0 .. kv_len - 1
-    if head_space == "kv":
-        columns = columns.sum(dim=2)
-        diag = diag.sum(dim=2) if diag is not None else None
-    else:
-        columns = columns.reshape(batch, q_heads, kv_len)
-        diag = diag.reshape(batch, q_heads, kv_len) if diag is not None else None
     return columns, diag
+
+
+def line_sums(plane: torch.Tensor, discount: bool) -> torch.Tensor:
+    """Sums over the rows of plane [..., rows, L] (probabilities, >= 0): [..., L]. With ``discount`` each
+    sum less its largest term. Why: a vertical line crosses every diagonal in exactly one row, and a slash
+    line every column in one row, so one row's mass is what a line of the other kind casts on a line that
+    is not there; a real line holds mass in many rows and loses one row's share of it."""
+    sums = plane.sum(dim=-2)
+    return sums - plane.amax(dim=-2) if discount else sums
 
 
 def top_ids(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -41,7 +41,12 @@ GRID_LINES = "grid_lines"  # the cost model's name for a grid launch read in pla
 # out at 0.7-0.9 with every candidate, planted sparse heads below 0.1.
 MAX_ERROR = 0.5
 # Objectives this close count as equal (0.1% of the output norm plus 5%, as the boundary choice's
-# tolerance): the cheaper candidate wins, then the earlier kind of KIND_ORDER.
+# tolerance): the cheaper candidate wins, then the earlier kind of KIND_ORDER. Precisely: candidate c ties
+# the best admissible objective b when objective(c) <= b + TIE_ABS + TIE_REL x |b| (objectives as losses,
+# ``_rank``). Where a candidate of another kind ties the pick, the head's row records that kind
+# (``choose_head``'s tie, heads.parquet ``tie``): the pick then won on cost, not on quality, so the
+# kind is a coin toss between the two; at ~zero error (planted A-shape heads that a vertical-slash
+# candidate also holds) every kind that keeps the mass ties within TIE_ABS.
 TIE_ABS, TIE_REL = 1e-3, 0.05
 DENSE = Candidate("dense", {})  # the fallback entry of every scored list
 # Fixed order of kinds for ties at equal cost: static before dynamic (no estimate at run time; the
@@ -256,30 +261,42 @@ def _kind_rank(s: Scored) -> int:
     return KIND_ORDER.index(s.candidate.pattern) if s.candidate.pattern in KIND_ORDER else len(KIND_ORDER)
 
 
-def choose_head(scored: list[Scored], budget: torch.Tensor, h: int, objective: str, max_error: float = MAX_ERROR) -> tuple[Scored, str | None]:
-    """Head h's pick and, when it is not the best admissible sparse candidate, why.
+def choose_head(scored: list[Scored], budget: torch.Tensor, h: int, objective: str,
+                max_error: float = MAX_ERROR) -> tuple[Scored, str | None, str | None]:
+    """Head h's pick; when it is not the best admissible sparse candidate, why (else None); and the kind
+    that tied it (else None).
 
     Among the admissible sparse candidates (cost <= budget) those whose objective is within TIE_ABS +
     TIE_REL x |best| of the best tie; of those the cheapest wins, then the earlier kind of KIND_ORDER,
-    then search-space order. With none admissible the cheapest candidate is taken (unrun when it was
-    pruned: error inf). An admissible pick whose output error exceeds max_error gives way to the dense
-    entry (when the list has one, see ``score_layer``)."""
+    then search-space order, and the best of the tied candidates of another kind is the tie (``_tie``).
+    With none admissible the cheapest candidate is taken (unrun when it was pruned: error inf). An
+    admissible pick whose output error exceeds max_error gives way to the dense entry (when the list has
+    one, see ``score_layer``). Neither of those two has a tie: no cost decided between equals."""
     sparse = [s for s in scored if s.candidate.pattern != DENSE.pattern]
     dense = next((s for s in scored if s.candidate.pattern == DENSE.pattern), None)
+    if not sparse:  # a space of dense alone
+        return dense, None, None
     cost = lambda s: float(s.cost_ms[h])  # noqa: E731
     admissible = [s for s in sparse if cost(s) <= float(budget[h])]
-    reason = None
-    if admissible:
-        best = min(_rank(s, h, objective) for s in admissible)
-        tied = [s for s in admissible if _rank(s, h, objective) <= best + TIE_ABS + TIE_REL * abs(best)]
-        pick = min(tied, key=lambda s: (cost(s), _kind_rank(s)))  # min keeps search-space order on full ties
-    else:
-        pick = min(sparse, key=lambda s: (cost(s), _kind_rank(s)))
-        reason = "no candidate within budget: the cheapest"
+    if not admissible:
+        return min(sparse, key=lambda s: (cost(s), _kind_rank(s))), "no candidate within budget: the cheapest", None
+    best = min(_rank(s, h, objective) for s in admissible)
+    tied = [s for s in admissible if _rank(s, h, objective) <= best + TIE_ABS + TIE_REL * abs(best)]
+    pick = min(tied, key=lambda s: (cost(s), _kind_rank(s)))  # min keeps search-space order on full ties
     error = float(pick.error[h])
-    if admissible and dense is not None and not error <= max_error:
-        return dense, f"dense: the best admissible sparse candidate ({pick.candidate.pattern}) has output error {error:.3g} > max_error {max_error:g}"
-    return pick, reason
+    if dense is not None and not error <= max_error:
+        why = f"dense: the best admissible sparse candidate ({pick.candidate.pattern}) has output error {error:.3g} > max_error {max_error:g}"
+        return dense, why, None
+    return pick, None, _tie(pick, tied, h, objective)
+
+
+def _tie(pick: Scored, tied: list[Scored], h: int, objective: str) -> str | None:
+    """The pattern of the best candidate of another kind among ``tied`` (objective, then cost, then
+    KIND_ORDER), or None when every tied candidate is of the pick's kind."""
+    others = [s for s in tied if s.candidate.pattern != pick.candidate.pattern]
+    if not others:
+        return None
+    return min(others, key=lambda s: (_rank(s, h, objective), float(s.cost_ms[h]), _kind_rank(s))).candidate.pattern
 
 
 def choose(scored: list[Scored], budget: torch.Tensor, objective: str, max_error: float = MAX_ERROR) -> list[tuple[Scored, int]]:
@@ -298,13 +315,15 @@ def target_cost(q, k, v, space: SearchSpace, head_space: str, scale: float, cost
     return s.cost_ms
 
 
-def dense_scored(q, k, v, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None) -> Scored:
-    """The dense fallback entry: error 0, recall 1, density and cost of the dense index (costed like a
-    candidate: timed on a GPU, modelled on a CPU); its output is the reference, so it is not scored."""
+def dense_scored(q, k, v, space: SearchSpace, head_space: str, scale: float, costs: CostModel, row_pos: torch.Tensor | None = None,
+                 candidate: Candidate = DENSE) -> Scored:
+    """The dense entry (the fallback, or ``candidate``: a space's own dense entry): error 0, recall 1,
+    density and cost of the dense index (costed like a candidate: timed on a GPU, modelled on a CPU); its
+    output is the reference, so it is neither run nor pruned."""
     s = score_candidate(DENSE, DenseParams(), q, k, v, None, None, head_space, space.block_m, space.block_n,
                         scale, costs, Timings(), row_pos=row_pos)
     heads = s.cost_ms.numel()
-    return Scored(DENSE, s.params, torch.zeros(heads, dtype=torch.float64), torch.ones(heads, dtype=torch.float64), s.density, s.cost_ms)
+    return Scored(candidate, s.params, torch.zeros(heads, dtype=torch.float64), torch.ones(heads, dtype=torch.float64), s.density, s.cost_ms)
 
 
 def score_layer(
@@ -320,7 +339,9 @@ def score_layer(
     budget: float64 [H] ms to prune against instead of the target's cost here x (1 + slack) (a region's
     share of the whole sequence's budget, search/boundary.py).
     With dense_fallback the list ends with the dense entry (``dense_scored``; ``choose`` takes it only past
-    max_error; a space that lists dense itself gets the same treatment). The boundary search leaves it
+    max_error). A space that lists dense itself gets that entry in its place (not run, not pruned: scored
+    and pruned like a candidate it came out unrun over the budget, error inf and recall 0, and was the
+    first dense entry ``choose_head`` found), and no second one. The boundary search leaves the fallback
     out of its regions (search/boundary.py says why).
     prune=False runs (and so measures the error of) candidates over the budget too: a quality target
     (calibrate --target-kl / --max-output-error) chooses across budgets, and a head that only a denser
@@ -339,6 +360,9 @@ def score_layer(
     for cand in space.candidates:
         if not space.applies_to(cand, modality) or (row_pos is not None and not REGISTRY[cand.pattern].REGION):
             continue
+        if cand.pattern == DENSE.pattern:
+            scored.append(dense_scored(q, k, v, space, head_space, scale, costs, row_pos, candidate=cand))
+            continue
         resolved = space.resolve(cand, n, frame_stride=frame_stride)
         if resolved is None:
             continue
@@ -347,22 +371,23 @@ def score_layer(
     if not scored:
         raise ValueError(f"no candidate of search space {space.name!r} applies to modality {modality!r}")
     _score_fallbacks(scored, budget, q, k, v, ref_out, ref_lse, space, head_space, scale, costs, timings, frame_stride, row_pos)
-    if dense_fallback:
+    if dense_fallback and not any(s.candidate.pattern == DENSE.pattern for s in scored):
         scored.append(dense_scored(q, k, v, space, head_space, scale, costs, row_pos))
     return scored, budget, timings
 
 
 def _score_fallbacks(scored: list[Scored], budget: torch.Tensor, q, k, v, ref_out, ref_lse, space: SearchSpace, head_space: str,
                      scale: float, costs: CostModel, timings: Timings, frame_stride: int | None, row_pos: torch.Tensor | None) -> None:
-    """Heads no candidate serves within budget fall back to the cheapest (``choose_head``), which pruning
-    left unrun (error inf): run it for them so the pick carries its measured error and recall. On a GPU
-    this is common in small regions, whose timed costs are launch-bound; the costs stay the first ones."""
+    """Heads no sparse candidate serves within budget fall back to the cheapest (``choose_head``), which
+    pruning left unrun (error inf): run it for them so the pick carries its measured error and recall. On
+    a GPU this is common in small regions, whose timed costs are launch-bound; the costs stay the first ones."""
     n = k.shape[2]
+    sparse = [i for i, s in enumerate(scored) if s.candidate.pattern != DENSE.pattern]
     unserved: dict[int, list[int]] = {}
     for h in range(budget.numel()):
-        if any(float(s.cost_ms[h]) <= float(budget[h]) for s in scored):
+        if not sparse or any(float(scored[i].cost_ms[h]) <= float(budget[h]) for i in sparse):
             continue
-        i = min(range(len(scored)), key=lambda i: (float(scored[i].cost_ms[h]), _kind_rank(scored[i])))
+        i = min(sparse, key=lambda i: (float(scored[i].cost_ms[h]), _kind_rank(scored[i])))
         if not math.isfinite(float(scored[i].error[h])):
             unserved.setdefault(i, []).append(h)
     for i, heads in unserved.items():
@@ -375,17 +400,18 @@ def _score_fallbacks(scored: list[Scored], budget: torch.Tensor, q, k, v, ref_ou
 
 def head_rows(scored: list[Scored], budget: torch.Tensor, objective: str, max_error: float = MAX_ERROR) -> list[dict]:
     """One dict per head for the chosen candidate: pattern, params, density, recall, output_error,
-    latency_ms, score, admissible, reason (None, or why the pick is not the best admissible candidate)."""
+    latency_ms, score, admissible, reason (None, or why the pick is not the best admissible candidate),
+    tie (None, or the kind whose objective tied the pick's: ``choose_head``)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     rows = []
     for h in range(budget.numel()):
-        s, reason = choose_head(scored, budget, h, objective, max_error)
+        s, reason, tie = choose_head(scored, budget, h, objective, max_error)
         rows.append({
             "head": h, "pattern": s.candidate.pattern, "params": s.params[h],
             "density": float(s.density[h]), "recall": float(s.recall[h]), "output_error": float(s.error[h]),
             "latency_ms": float(s.cost_ms[h]), "score": float(s.error[h] if objective == "output_error" else s.recall[h]),
-            "admissible": float(s.cost_ms[h]) <= float(budget[h]), "reason": reason,
+            "admissible": float(s.cost_ms[h]) <= float(budget[h]), "reason": reason, "tie": tie,
         })
     return rows
 
