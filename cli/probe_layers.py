@@ -32,6 +32,7 @@ def probe_layers(
     out: Annotated[Path, typer.Option(help="Artifact directory; an existing artifact there is composed with.")] = Path("artifacts/smollm2-135m-trianglemix"),
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.probe-layers.partial/ (the prompts probed already).")] = False,
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -42,15 +43,16 @@ def probe_layers(
     from sparsesearch import preflight as check
     from sparsesearch.probe.probe import ProbeSettings
     from sparsesearch.probe.run import ProbeConfig, preflight, run_probe
+    from sparsesearch.workdir import partial_path
 
     # --out is the target (an artifact there is composed with and replaced whole); the inputs must stay apart.
     check.output_path("--out", out, reads={"--eval-data": eval_data if validate else None}, model=model,
-                      beside=[out.with_name(out.name + ".png")])
+                      beside=[out.with_name(out.name + ".png"), partial_path(out, "probe-layers")])
 
     settings = ProbeSettings(samples=samples, tokens=tokens, sink=sink, window=window, last=last, seed=seed)
     cfg = ProbeConfig(model=model, settings=settings, threshold=threshold, validate=validate, validate_step=validate_step,
                       eval_data=eval_data, eval_samples=eval_samples, kl_tolerance=kl_tolerance, out=out, device=device,
-                      dtype=dtype, trust_remote_code=trust_remote_code)
+                      dtype=dtype, trust_remote_code=trust_remote_code, resume=resume)
     preflight(cfg)  # bad input is one line before any progress output
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=json_out) as bar:

@@ -28,6 +28,7 @@ def sweep_spava(
     out: Annotated[Path, typer.Option(help="Artifact directory written (spava.parquet + manifest), PNG beside it.")] = Path("artifacts/smollm2-135m-spava"),
     into: Annotated[Path | None, typer.Option(help="An existing artifact to add the spava section to (its other sections kept).")] = None,
     rank_times: Annotated[Path | None, typer.Option(help="Rows of benchmarks/spava_rank.py --simulate-world: model latency at W = 2/4/8 from them at --bandwidth (nothing is launched).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed sweep from OUT.sweep-spava.partial/ (the configurations measured already).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Sweep l_a x l_p against exact: KL, perplexity, retrieval, bytes, measured and modelled latency.
@@ -41,10 +42,12 @@ def sweep_spava(
         check.json_file("--rank-times", rank_times)  # one line for a malformed file, however malformed
         return _model_rank_times(rank_times, bandwidth, json_out)
     target = into or out  # read, composed with and replaced whole; the inputs must stay apart from it
+    from sparsesearch.workdir import partial_path
+
     check.output_path("--into" if into is not None else "--out", target, reads={"--data": data}, model=model,
-                      beside=[target.with_name(target.name + "-spava.png")])
+                      beside=[target.with_name(target.name + "-spava.png"), partial_path(target, "sweep-spava")])
     from sparsesearch.spava.run import SpavaConfig
-    from sparsesearch.spava.sweep import draw_sweep, write_sweep
+    from sparsesearch.spava.sweep import draw_sweep, open_work, write_sweep
 
     if into is not None and not (into / "manifest.json").is_file():
         raise ValueError(f"--into {into}: no artifact there (manifest.json missing)")
@@ -58,9 +61,11 @@ def sweep_spava(
         raise ValueError(f"--samples must be >= 1, got {samples}")
     cfg = SpavaConfig(model=model, nproc=nproc, tokens=lengths, anchors=ints(anchor, "--anchor"), passings=ints(passing, "--passing"),
                       query=query, data=data, backend=backend, timeout_s=timeout, bandwidth_gbs=bandwidth, samples=samples)
+    work = open_work(cfg, target, resume=resume)
     result = run_launch(cfg, "sweep-spava")
     path, rec = write_sweep(result, cfg, target, kl_tolerance=kl_tolerance, compose=(target / "manifest.json").is_file())
     png = draw_sweep(result["rows"], target.with_name(target.name + "-spava.png"))
+    work.remove()  # the artifact and its plot are written: nothing of the sweep is left beside them
     if json_out:
         print_json({"artifact": str(path), "plot": str(png), "recommended": rec, **result})
         return

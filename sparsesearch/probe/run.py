@@ -8,10 +8,16 @@ Hybrid models (Gemma 3): only the global layers are probed; the start layer is a
 triangle runs on the global layers from it on (sliding layers keep the model's window, runtime/plan.py).
 layers.parquet has a row for every layer, with ``sliding`` / ``sliding_window`` and NaN values on the
 sliding ones.
+
+Resume: each probe prompt's section statistics go to ``OUT.probe-layers.partial/`` (sparsesearch.workdir) as
+soon as they are computed; with ``resume=True`` a rerun with the same model, prompts and section sizes skips
+the prompts done, so a killed run loses at most the prompt in progress and ends with the same artifact (the
+statistics round-trip exactly through JSON). The directory is removed once the artifact and plot are written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -21,6 +27,9 @@ from typing import Callable
 
 import pandas as pd
 
+import torch
+
+from ..workdir import WorkDir
 from .probe import SECTIONS, ProbeResult, ProbeSettings, StartRule, aggregate, probe_input, probe_sample
 
 INFERENCE_TRIANGLE = {"sink": 8, "window": 512, "last": 128}  # paper 002 inference defaults
@@ -41,6 +50,7 @@ class ProbeConfig:
     dtype: str = "auto"
     trust_remote_code: bool = False
     created: str | None = None
+    resume: bool = False  # continue from OUT.probe-layers.partial/ (module docstring)
 
 
 @dataclass
@@ -70,18 +80,12 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; the probe prompt needs one")
     s = cfg.settings
-    device = next(model.parameters()).device
     spec = SectionSpec(sink=s.sink, window=s.window, last=s.last)
     stage("building probe prompts")
     samples = load_calibration(s.data, tokenizer, max_tokens=s.tokens, samples=s.samples, seed=s.seed)
-    per_sample, lengths = [], []
+    work = WorkDir.open(cfg.out, "probe-layers", _settings(cfg, info, samples, model), resume=cfg.resume)
     stage("probing")
-    for i, sample in enumerate(samples):
-        ids, target = probe_input(sample)
-        per_sample.append(probe_sample(model, ids, target, spec, device=device, skip=info.sliding_layers))
-        lengths.append(int(ids.numel()))
-        tick(i + 1, len(samples))
-    result = aggregate(per_sample, lengths)
+    result = aggregate(*probe_samples(model, samples, spec, info, work, tick))
     rule = StartRule(cfg.threshold)
     start = rule.choose(result)
     validation = validated = None
@@ -99,7 +103,38 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
         plot = draw_probe(result, start, validated, info, cfg.out.with_name(cfg.out.name + ".png"))
     except ImportError:
         plot = None
+    work.remove()  # the artifact and its plot are written: nothing of the run is left beside them
     return ProbeOutcome(path, result, start, validation, validated, plot, time.perf_counter() - started)
+
+
+def probe_samples(model, samples, spec, info, work: WorkDir, tick) -> tuple[list[dict], list[int]]:
+    """Per prompt: the section statistics (probe_sample) and its length, each prompt a unit of ``work``:
+    computed and saved unless done, then read back from its file either way, so a resumed run and an
+    uninterrupted one aggregate the very same values."""
+    device = next(model.parameters()).device
+    per_sample, lengths = [], []
+    for i, sample in enumerate(samples):
+        name = f"sample-{i:05d}"
+        if not work.done(name):
+            ids, target = probe_input(sample)
+            stats = probe_sample(model, ids, target, spec, device=device, skip=info.sliding_layers)
+            work.save(name, {"length": int(ids.numel()), **{k: v.tolist() for k, v in stats.items()}})
+        unit = work.load(name)
+        per_sample.append({k: torch.tensor(unit[k], dtype=torch.float64) for k in ("grad", "abs", "att")})
+        lengths.append(unit["length"])
+        tick(i + 1, len(samples))
+    return per_sample, lengths
+
+
+def _settings(cfg: ProbeConfig, info, samples, model) -> dict:
+    """What a prompt's statistics depend on (the work directory's fingerprint): the model (revision), the
+    prompts themselves (their hash), the section sizes, the device type and dtype. Not the start-layer rule
+    nor the validation, which come after the probes."""
+    from ..data import sha256_of
+
+    param = next(model.parameters())
+    return {"model": info.revision or info.id, "data": sha256_of(samples), "settings": dataclasses.asdict(cfg.settings),
+            "device": param.device.type, "dtype": str(param.dtype)}
 
 
 def preflight(cfg: ProbeConfig) -> None:

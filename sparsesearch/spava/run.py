@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..files import write_json_atomic
+from ..workdir import WorkDir
 from .layout import Layout, check_lengths
 from .model import RankContext, attention_seconds, tail_logits
 
@@ -48,6 +49,7 @@ class SpavaConfig:
     bandwidth_gbs: float = 100.0  # link bandwidth for the modelled latency (GB/s; NVLink-class default)
     generate: int = 0  # greedy tokens decoded after each SPAVA prefill (decode.py), compared with dense generation
     decode: str = "distributed"  # how: "distributed" (the paper's, each rank attends its own K/V) or "gather" (decode.py)
+    workdir: str | None = None  # sweep-spava's work directory (rank_main, sweep.py); None: nothing saved per configuration
 
 
 def layouts(cfg: SpavaConfig, n: int) -> list[Layout]:
@@ -222,61 +224,109 @@ def _max_over_ranks(x: float, group) -> float:
 
 
 def rank_main(cfg: SpavaConfig, result_path: str | None) -> list[dict]:
-    """Run the launch on this rank (the process group is initialised here). Rank 0 writes the rows."""
+    """Run the launch on this rank (the process group is initialised here). Rank 0 writes the rows.
+
+    With ``cfg.workdir`` (sweep-spava's work directory, sweep.py) each configuration's row is a unit: rank 0
+    saves it there as soon as it is measured, and units found there are read instead of run; a prompt whose
+    configurations are all done skips its exact baseline too."""
     from ..models import load_model
-    from .exact import exact_engine, torch_cp_support
+    from .exact import torch_cp_support
     from .model import has_sliding_layers
     from .group import check_backend, init_group
 
     backend = check_backend(cfg.backend, cfg.nproc)
     rank, world, device = init_group(backend, cfg.timeout_s)
     try:
+        work = WorkDir(cfg.workdir) if cfg.workdir else None
+        # Read once, before any collective: rank 0 saves a unit only after every rank has passed that unit's
+        # collectives, so all ranks read the same set and skip the same units (one rank skipping alone would
+        # leave its peers waiting in a collective).
+        done = work.names() if work else set()
         model, tok, info = load_model(cfg.model, dtype=cfg.dtype, device=device.type)
         # torch's context_parallel is the exact baseline where it runs (probed once: torch 2.13 has no
         # sharding rule for the CPU SDPA kernels); the zigzag ring on the same group where it does not
         cp_reason = torch_cp_support(device)
         sliding = has_sliding_layers(model)
-        engines = set()
+        total = len(cfg.tokens) * cfg.samples * len(cfg.anchors) * len(cfg.passings)
         rows = []
         for n, sample in itertools.product(cfg.tokens, range(cfg.samples)):
             ids, answer = build_prompt(cfg, tok, n, cfg.seed + sample)
             ids = ids.to(device)
-            n_real = ids.shape[1]
-            warm = ids[:, : min(n_real, 256)]  # first-call costs (allocator, thread pools) out of the timings
-            tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
-            engine, why_not_cp = exact_engine(cp_reason, n_real, world, sliding)
-            engines.add(engine)
-            warm_on_gpu(lambda: exact_logits(model, ids, engine, cfg.query, rank, world, device), device)
-            exact, exact_ctx, t_exact = exact_logits(model, ids, engine, cfg.query, rank, world, device)
-            dense_tokens = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
-            for lay in layouts(cfg, n_real):
-                warm_on_gpu(lambda: tail_logits(model, ids, RankContext.spava(lay, rank), cfg.query, owner=rank == 0), device)
-                ctx = RankContext.spava(lay, rank)
-                ctx.kept = {} if cfg.generate else None  # the local KV the decode after this prefill needs
-                logits, t_mine, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
-                row = {"tokens": n_real, "sample": sample, "seed": cfg.seed + sample, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
-                       "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": t_exact,
-                       "attention_seconds": _max_over_ranks(attention_seconds(ctx.stats), None),
-                       "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
-                       "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
-                       "bytes_sent_exact": int(_max_over_ranks(exact_ctx.stats.get("bytes_sent", 0), None)),
-                       "exact_engine": engine, "exact_engine_note": why_not_cp, "backend": backend, **quality(logits, exact, ids, answer)}
-                row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
-                if cfg.generate:
-                    from .decode import decode
-
-                    (tokens, _, _), _, t_dec = _timed(lambda: decode(model, ctx, logits[:, -1], cfg.generate, cfg.decode), None)
-                    row.update(generation(tokens, dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec))
+            names = {lay: unit_name(n, sample, lay) for lay in layouts(cfg, ids.shape[1])}
+            base = None if set(names.values()) <= done else baseline(cfg, model, ids, cp_reason, sliding, rank, world, device)
+            for lay, name in names.items():
+                if name in done:
+                    row = work.load(name)
+                else:
+                    row = config_row(cfg, model, tok, info, ids, answer, sample, base, lay, rank, world, backend)
+                    if rank == 0 and work is not None:
+                        work.save(name, row)
                 rows.append(row)
                 if rank == 0:  # the launcher reads these lines from the ranks' log for its progress bar
-                    print(f"{PROGRESS} {len(rows)} {len(cfg.tokens) * cfg.samples * len(cfg.anchors) * len(cfg.passings)}", flush=True)
+                    print(f"{PROGRESS} {len(rows)} {total}", flush=True)
         if rank == 0 and result_path:
+            engines = ",".join(sorted({r["exact_engine"] for r in rows}))
             # whole or not at all: the launcher takes a result file that exists as the ranks' whole result
-            write_json_atomic(result_path, {"rows": rows, "exact_engine": ",".join(sorted(engines)), "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, default=str)
+            write_json_atomic(result_path, {"rows": rows, "exact_engine": engines, "torch_cp": cp_reason or "supported", "model": asdict(info) if hasattr(info, "__dataclass_fields__") else str(info)}, default=str)
         dist.barrier()  # no rank tears the group down while a peer's last exchange is in flight (group._entry)
         return rows
     finally:
         dist.destroy_process_group()
+
+
+def unit_name(n: int, sample: int, lay: Layout) -> str:
+    """The work-directory unit of one configuration: requested length, prompt, l_a, l_p."""
+    return f"n{n}-s{sample}-a{lay.l_a}-p{lay.l_p}"
+
+
+@dataclass
+class Baseline:
+    """One prompt's exact run, shared by every configuration measured on it."""
+
+    engine: str
+    why_not_cp: str | None
+    logits: torch.Tensor
+    ctx: RankContext
+    seconds: float
+    dense_tokens: torch.Tensor | None
+
+
+def baseline(cfg: SpavaConfig, model, ids: torch.Tensor, cp_reason, sliding: bool, rank: int, world: int, device) -> Baseline:
+    """Warm up, then the exact baseline (exact_logits) and, with --generate, dense generation on this prompt."""
+    from .exact import exact_engine
+
+    warm = ids[:, : min(ids.shape[1], 256)]  # first-call costs (allocator, thread pools) out of the timings
+    tail_logits(model, warm, RankContext.ring(warm.shape[1], rank, world), 1, owner=True)
+    engine, why_not_cp = exact_engine(cp_reason, ids.shape[1], world, sliding)
+    warm_on_gpu(lambda: exact_logits(model, ids, engine, cfg.query, rank, world, device), device)
+    exact, ctx, seconds = exact_logits(model, ids, engine, cfg.query, rank, world, device)
+    dense = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
+    return Baseline(engine, why_not_cp, exact, ctx, seconds, dense)
+
+
+def config_row(cfg: SpavaConfig, model, tok, info, ids: torch.Tensor, answer: int, sample: int, base: Baseline, lay: Layout,
+               rank: int, world: int, backend: str) -> dict:
+    """One configuration on prompt ``sample``, every rank taking part: SPAVA's prefill timed, its quality against the
+    baseline, the modelled latency at W = 2/4/8 and, with --generate, the decode after it."""
+    device = ids.device
+    warm_on_gpu(lambda: tail_logits(model, ids, RankContext.spava(lay, rank), cfg.query, owner=rank == 0), device)
+    ctx = RankContext.spava(lay, rank)
+    ctx.kept = {} if cfg.generate else None  # the local KV the decode after this prefill needs
+    logits, _, t = _timed(lambda: tail_logits(model, ids, ctx, cfg.query, owner=rank == 0), None)
+    row = {"tokens": ids.shape[1], "sample": sample, "seed": cfg.seed + sample, "nproc": world, "anchor": lay.l_a, "passing": lay.l_p, "passing_used": lay.passing,
+           "query": cfg.query, "data": cfg.data, "seconds": t, "seconds_exact": base.seconds,
+           "attention_seconds": _max_over_ranks(attention_seconds(ctx.stats), None),
+           "bytes_sent": int(_max_over_ranks(ctx.stats.get("bytes_sent", 0), None)),
+           "bytes_passing": int(_max_over_ranks(ctx.stats.get("bytes_passing", 0), None)),
+           "bytes_sent_exact": int(_max_over_ranks(base.ctx.stats.get("bytes_sent", 0), None)),
+           "exact_engine": base.engine, "exact_engine_note": base.why_not_cp, "backend": backend, **quality(logits, base.logits, ids, answer)}
+    row.update(modelled_latency(row, info, cfg.bandwidth_gbs))
+    if cfg.generate:
+        from .decode import decode
+
+        (tokens, _, _), _, t_dec = _timed(lambda: decode(model, ctx, logits[:, -1], cfg.generate, cfg.decode), None)
+        row.update(generation(tokens, base.dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec))
+    return row
 
 
 def attention_flops(n_ctx: int, q: int, world: int, l_a: int, l_p: int, d: int, heads: int) -> float:

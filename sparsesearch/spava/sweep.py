@@ -4,6 +4,12 @@ The rows come from one launch (run.py). Recommendation per prompt length: among 
 whose next-token KL vs exact is at most `kl_tolerance` and which retrieve whenever exact does, the one
 with the lowest modelled latency at the launch's W (ties: smaller l_p, then l_a); when none qualifies,
 the lowest KL. Writing into an existing artifact keeps its tables and other method sections.
+
+Resume: the launch's ranks save each configuration's row to ``OUT.sweep-spava.partial/`` (sparsesearch.workdir)
+as it is measured; ``open_work(..., resume=True)`` keeps the rows of a run with the same settings, which the
+next launch reads instead of measuring again. A killed sweep loses at most the configuration in progress; the
+resumed rows keep the timings measured when they ran, the other values are the ones an uninterrupted run
+gives. The caller removes the directory once the artifact and plot are written.
 """
 
 from __future__ import annotations
@@ -15,6 +21,37 @@ from pathlib import Path
 import pandas as pd
 
 TABLE = "spava.parquet"
+COMMAND = "sweep-spava"
+
+
+def open_work(cfg, target: Path, *, resume: bool):
+    """Check ``cfg`` (launch.preflight: bad input stays one line with nothing written), open the work directory
+    beside ``target`` for it and point the ranks at it (``cfg.workdir``). -> the WorkDir."""
+    from ..workdir import WorkDir
+    from .launch import preflight
+
+    preflight(cfg)
+    work = WorkDir.open(target, COMMAND, work_settings(cfg), resume=resume)
+    cfg.workdir = str(work.path)
+    return work
+
+
+def work_settings(cfg) -> dict:
+    """What a configuration's row depends on (the work directory's fingerprint): the launch's settings, the
+    model's revision and a data file's contents. Not the collective timeout or the directory itself, and not
+    the grid (lengths, prompts, l_a, l_p): those name the unit (run.unit_name), so a resumed sweep over a wider
+    grid reuses the configurations it shares with the killed one."""
+    from dataclasses import asdict
+
+    from .. import preflight as check
+    from ..models.resolve import file_sha256
+
+    unit_free = ("timeout_s", "workdir", "tokens", "samples", "anchors", "passings")
+    settings = {k: v for k, v in asdict(cfg).items() if k not in unit_free}
+    settings["model_revision"] = check.model_info(cfg.model).revision
+    if Path(cfg.data).is_file():
+        settings["data_sha256"] = file_sha256(cfg.data)
+    return settings
 
 
 def configurations(rows: list[dict]) -> list[dict]:
