@@ -288,10 +288,13 @@ def dense_cost(q, k, v, space, costs, head_space: str, scale: float | None) -> t
     return dense.cost_ms
 
 
-def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings) -> tuple[list[dict], float, dict | None]:
+def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings,
+                    stability: dict | None = None) -> tuple[list[dict], float, dict | None]:
     """Rows of one layer from the per-sample files: per scope the candidates' scores averaged over the
     samples that have it, each head's pick; per head the boundary type chosen on the mean boundary scores
-    (every row of a head carries it). Returns (rows, the chosen approximation's mean error, report)."""
+    (every row of a head carries it). Returns (rows, the chosen approximation's mean error, report).
+    With several samples of text (the global scope alone), each head's pick is also checked per sample
+    (search/stability.py): an unstable head takes the safer choice, and ``stability[layer]`` gets the account."""
     scopes: dict[str, list[Path]] = {}
     for si in range(n_samples):
         for scope, path in _scope_files(work, si, layer).items():
@@ -304,6 +307,8 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
         scored = mean_scored([sc for sc, _, _ in loaded])
         budget = torch.stack([b for _, b, _ in loaded]).mean(0)
         chosen_rows[scope] = head_rows(scored, budget, objective)
+        if scope == GLOBAL and len(loaded) > 1 and stability is not None and len(scopes) == 1:
+            chosen_rows[scope] = _stable_rows(layer, chosen_rows[scope], loaded, budget, objective, stability)
     reports = [json.loads(p.read_text()) for si in range(n_samples) if (p := _boundary_path(work, si, layer)).is_file()]
     heads = len(chosen_rows[GLOBAL])
     if not reports:
@@ -321,6 +326,15 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
     for scope, chosen in sorted(chosen_rows.items(), key=lambda kv: (kv[0] != GLOBAL, kv[0])):
         rows.extend(_artifact_row(layer, scope, r, space, kinds[r["head"]]) for r in chosen)
     return rows, error, report
+
+
+def _stable_rows(layer: int, chosen: list[dict], loaded, budget, objective: str, stability: dict) -> list[dict]:
+    """``chosen`` with unstable heads on their safer choice (search/stability.py); the account goes to stability."""
+    from .search.stability import head_stability, safer_rows
+
+    per_sample = [sc for sc, _, _ in loaded]
+    stability[layer] = head_stability(per_sample, [b for _, b, _ in loaded], objective, chosen)
+    return safer_rows(chosen, per_sample, budget, objective, stability[layer])
 
 
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
@@ -513,11 +527,12 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         costs.save_to(cfg.out.with_name(cfg.out.name + ".costs.json"))
         launches = {"cost_launches": {"timed": costs.timed, "priced_from_table": costs.priced}}
 
-    rows, layer_errors, boundary_report = [], {}, {}
+    rows, layer_errors, boundary_report, layer_stability = [], {}, {}, {}
     lengths = [int(s.input_ids.numel()) for s in samples]
     rows.extend(sliding_rows(info, cfg.head_space, round(sum(lengths) / len(lengths))))
     for layer in info.global_layers:
-        layer_rows, error, report = _assemble_layer(work, layer, len(samples), space, cfg.objective, total)
+        layer_rows, error, report = _assemble_layer(work, layer, len(samples), space, cfg.objective, total,
+                                                    None if target_of(cfg) else layer_stability)
         rows.extend(layer_rows)
         layer_errors[layer] = error
         if report:
@@ -539,6 +554,10 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
             "calibration_layer_output_error": {str(k): round(v, 6) for k, v in layer_errors.items()},
         },
     }}
+    if layer_stability:
+        from .search.stability import record
+
+        methods["mminference"]["stability"] = record(layer_stability, len(samples))
     if info.sliding_layers:
         methods["mminference"]["sliding_layers"] = {
             "layers": list(info.sliding_layers), "window": info.sliding_window,

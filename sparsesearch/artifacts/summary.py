@@ -101,4 +101,6 @@ def summarize(artifact: Artifact) -> dict:
         "layers": layers,
         "reasons": reasons(rows),
         "ties": ties(rows),
+        # How stable each head's pick was across calibration samples (search/stability.py; None with one sample).
+        "stability": ((m.get("methods") or {}).get("mminference") or {}).get("stability"),
     }
