@@ -24,10 +24,23 @@ app.command("export")(export.export)
 app.command("import-minference")(import_minference.import_minference)
 app.command("check-export")(engines.check_export)
 app.command("diff")(diff.diff)
-app.command("sweep-nosa")(sweep_nosa.sweep_nosa)
-app.add_typer(spava.app, name="spava")
-app.command("sweep-spava")(sweep_spava.sweep_spava)
 app.command("tune-kernels")(tune_kernels.tune_kernels)
+# One shape for the methods with subcommands: `nosa sweep`, `spava run`, `spava sweep`. The older top-level
+# names stay as aliases (scripts and docs use them), marked as such in --help.
+nosa_app = typer.Typer(help="NOSA: decode-time block selection (paper 004): sweep.", no_args_is_help=True)
+nosa_app.command("sweep")(sweep_nosa.sweep_nosa)
+spava.app.command("sweep")(sweep_spava.sweep_spava)
+app.add_typer(nosa_app, name="nosa")
+app.add_typer(spava.app, name="spava")
+
+
+def _alias(name: str, target: str, command) -> None:
+    """Register ``command`` under an older name, its help opening with the name to use now."""
+    app.command(name, help=f"Alias of `{target}`. {command.__doc__}")(command)
+
+
+_alias("sweep-nosa", "nosa sweep", sweep_nosa.sweep_nosa)
+_alias("sweep-spava", "spava sweep", sweep_spava.sweep_spava)
 
 
 @app.callback()

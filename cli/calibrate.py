@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .common import DeviceOpt, JsonOpt, RunProgress, err_console, exits_cleanly, fold_cells, out_console, print_json
 
 
 @exits_cleanly
@@ -65,18 +64,11 @@ def calibrate(
     check.sizes_fit(model, {"--max-tokens": max_tokens, "--eval-tokens": eval_tokens}, trust_remote_code=trust_remote_code, dtype=dtype,
                     device=device, memory={f"--samples {samples} x --max-tokens {max_tokens} token ids": 8 * max(samples, 0) * max(max_tokens, 0)})
     space = preflight(cfg)  # bad input is one line before any progress output
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=json_out) as bar:
-        stage = bar.add_task("starting", total=None)
-        layers = bar.add_task("layers", total=None, visible=False)
-
-        def on_stage(name: str) -> None:
-            bar.update(stage, description=name)
-
-        def on_layer(sample: int, layer: int, total: int) -> None:
-            bar.update(layers, visible=True, total=total, completed=layer + 1, description=f"sample {sample + 1} layers")
-
-        result = run(cfg, Hooks(stage=on_stage, layer=on_layer), space=space)
+    with RunProgress(transient=json_out) as progress:
+        # A layer tick counts layers of the current sample; the stage line names the sample.
+        result = run(cfg, Hooks(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total)), space=space)
+    for note in result.notes:  # a resumed run says so, with what it kept
+        err_console.print(note, highlight=False)
     density = effective_densities(result.manifest, result.rows)
     summary = {
         "artifact": str(result.path), "map_png": str(result.map_png) if result.map_png else None,
@@ -153,7 +145,7 @@ def _render(result, summary, density) -> None:
         err = result.manifest["methods"]["mminference"]["calibration_layer_output_error"].get(str(layer))
         held = fid.get(str(layer))
         table.add_row(str(layer), mix, kinds, f"{dens:.1%}", "-" if err is None else f"{err:.3f}", "-" if held is None else f"{held:.3f}")
-    out_console.print(table)
+    out_console.print(fold_cells(table))
     if result.fidelity:
         from sparsesearch.fidelity import describe
 

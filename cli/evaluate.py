@@ -7,14 +7,14 @@ from typing import Annotated
 import typer
 
 from ._shared import ArtifactArg
-from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .common import DeviceOpt, JsonOpt, RunProgress, exits_cleanly, out_console, print_json
 
 
 @exits_cleanly
 def evaluate(
     artifact: ArtifactArg,
     model: Annotated[str, typer.Option(help="The model the artifact was made for (alias, directory, hub id, .gguf).")] = "smollm2-135m",
-    data: Annotated[str, typer.Option(help="Held-out data: text:shakespeare (held-out plays) or a .txt/.md file (its second half), synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "synthetic:passkey",
+    data: Annotated[str, typer.Option(help="Held-out data: text:shakespeare (held-out plays) or a .txt/.md file (its second half), synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "text:shakespeare",
     samples: Annotated[int, typer.Option(help="Prompts.")] = 5,
     tokens: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
     seed: Annotated[int, typer.Option(help="Seed of the held-out prompts.")] = 0,
@@ -42,11 +42,12 @@ def evaluate(
     recommended = ((art.manifest.get("methods") or {}).get("nosa") or {}).get("recommended") or {}
     if recommended.get("proxy") == "trained":  # the runtime would refuse it only after the weights load
         check.eviction_head_possible("the artifact's methods.nosa proxy", model)
-    with err_console.status("loading model"):
+    with RunProgress(transient=json_out) as progress:
+        progress.stage("loading model")
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
-    with err_console.status(f"evaluating {samples} prompt(s)"):
+        progress.stage(PASSES["dense"])
         result = evaluate_fidelity(m, tokenizer, art.manifest, art.head_rows(), data=data, samples=samples, tokens=tokens,
-                                   seed=seed, min_tokens=min_tokens)
+                                   seed=seed, min_tokens=min_tokens, progress=_per_pass(progress))
     if json_out:
         print_json(result)
         return
@@ -56,3 +57,18 @@ def evaluate(
     if errs:
         worst = max(errs, key=errs.get)
         out_console.print(f"attention output error per layer: mean {sum(errs.values()) / len(errs):.3f}, worst layer {worst} ({errs[worst]:.3f})")
+
+
+PASSES = {"dense": "dense reference, prompts", "sparse": "sparse runtime, prompts"}
+
+
+def _per_pass(progress: RunProgress):
+    """evaluate_fidelity's per-prompt callback on the shared display. The dense pass's stage is opened before
+    the call (its first prompt takes as long as any); its last prompt opens the sparse pass's stage."""
+
+    def on_prompt(name: str, done: int, total: int) -> None:
+        progress.tick(done, total)
+        if name == "dense" and done == total:
+            progress.stage(PASSES["sparse"])
+
+    return on_prompt

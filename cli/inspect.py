@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from ._shared import ArtifactArg
-from .common import JsonOpt, exits_cleanly, out_console, print_json
+from .common import JsonOpt, exits_cleanly, fold_cells, out_console, print_json, short_label
 
 
 def _num(value, fmt: str = ".3f") -> str:
@@ -58,6 +58,9 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
         parts = [f"{name} {_num(s['mean'])} (min {_num(s['min'])}, max {_num(s['max'])})" for name, s in summary["metrics"].items() if s]
         if parts:
             out_console.print("mean " + "; ".join(parts), highlight=False)
+            out_console.print(metric_units(summary), highlight=False, style="dim", soft_wrap=True)
+    for line in fidelity_lines(summary):
+        out_console.print(line, highlight=False, soft_wrap=True)
     patterns = list(summary["patterns"])
     regions = sum(n for pair, n in summary["modality_pairs"].items() if pair != "all->all")
     title = f"pattern mix per layer ({summary['rows'] - regions} global rows" + (f", plus {regions} modality-region rows)" if regions else ")")
@@ -66,15 +69,17 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
     if hybrid:
         table.add_column("attention")
     for name in patterns:
-        table.add_column(name, justify="right")
+        table.add_column(short_label(name), justify="right")
     boundaries = any(layer["boundaries"] for layer in summary["layers"])
     if boundaries:
-        table.add_column("boundary heads")
+        table.add_column("boundary")
     tied = bool(summary["ties"])
     if tied:
         table.add_column("tied", justify="right")  # picks that won on cost between equal objectives of two kinds
-    table.add_column("mean density", justify="right")
-    table.add_column("mean score", justify="right")
+    table.add_column("density", justify="right")
+    table.add_column("score", justify="right")
+    legend = ", ".join(f"{short_label(p)} = {p}" for p in patterns if short_label(p) != p)
+    table.caption = f"heads per pattern{f' ({legend})' if legend else ''}; density, score: layer means"
     for layer in summary["layers"]:
         kinds = [", ".join(f"{k}×{n}" for k, n in layer["boundaries"].items()) or "-"] if boundaries else []
         attention = [f"window {layer['window']}" if layer["attention"] == "sliding" else "global"] if hybrid else []
@@ -83,9 +88,35 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
             str(layer["layer"]), *attention, *(str(layer["patterns"].get(p, 0)) for p in patterns), *kinds, *ties,
             _num(layer["mean_density"]), _num(layer["mean_score"]),
         )
-    out_console.print(table)
+    out_console.print(fold_cells(table))
     _print_reasons(summary["reasons"])
     _print_ties(summary["ties"])
+
+
+def metric_units(summary: dict) -> str:
+    """What the per-head metrics measure, and in which unit: latency_ms is the search's cost of the head's
+    kernel at the calibration length, timed on a GPU or modelled from FLOPs on a CPU (heads.parquet says
+    neither, the manifest does)."""
+    mm = summary["methods"].get("mminference") or {}
+    length = f" at {mm['max_tokens']} tokens" if mm.get("max_tokens") else ""
+    how = {"measured": "timed on the calibrating GPU", "analytic": "modelled from FLOPs (a CPU run)"}.get(mm.get("cost_model"), "as recorded")
+    return ("units: density = share of the causal attention entries computed; recall = share of the attention mass kept; "
+            "output_error = relative L2 error of the head's attention output vs dense; "
+            f"latency_ms = milliseconds per head of its kernel{length}, {how}; score = the search's objective")
+
+
+def fidelity_lines(summary: dict) -> list[str]:
+    """The artifact's recorded fidelity against dense (calibrate's held-out check: teacher-forced KL and
+    perplexity), or a line saying none was recorded and how to measure it."""
+    record = (summary["methods"].get("mminference") or {}).get("fidelity")
+    if not record:
+        return ["fidelity: none recorded (sparsesearch evaluate ARTIFACT measures KL and perplexity against dense)"]
+    from sparsesearch.fidelity import describe
+
+    lines = []
+    for report in [record, *record.get("also", [])]:
+        lines += [f"fidelity on {line}" if line.startswith(report["eval_data"]) else f"  {line}" for line in describe(report)]
+    return lines
 
 
 REASONS_SHOWN = 20  # table rows of reasons, and of ties; --json lists every one
@@ -101,7 +132,7 @@ def _print_reasons(reasons: list[dict]) -> None:
     for r in reasons[:REASONS_SHOWN]:
         region = f"{r['q_modality']}->{r['k_modality']}"
         table.add_row(str(r["layer"]), str(r["head"]), region, r["pattern"], r["reason"])
-    out_console.print(table)
+    out_console.print(fold_cells(table))
     if len(reasons) > REASONS_SHOWN:
         out_console.print(f"... and {len(reasons) - REASONS_SHOWN} more (--json lists every one)", highlight=False)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .common import DeviceOpt, JsonOpt, RunProgress, exits_cleanly, out_console, print_json
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -58,29 +57,19 @@ def pareto(
         check.output_path("--out", out, reads={"--artifact": list(artifact or []), "--data": data}, model=model,
                           beside=[out.with_name(out.name + ".partial")])
     checked = preflight(cfg)  # bad input: one line, before any weights load
-    report = run(cfg, _progress(), checked=checked)
+    with RunProgress(transient=json_out) as display:
+        report = run(cfg, _progress(display), checked=checked)
     if json_out:
         print_json(report)
         return
     _render(report)
 
 
-def _progress():
-    """Stage lines and per-point lines with an ETA on stderr: plain lines, readable in a log as on a terminal."""
+def _progress(display: RunProgress):
+    """The library's stage and per-point callbacks on the shared display (counts and an ETA, plain lines in a log)."""
     from sparsesearch.pareto import Progress
 
-    started = {"t": time.perf_counter()}
-
-    def stage(name: str) -> None:
-        err_console.print(f"[dim]·[/dim] {name}", highlight=False)
-        started["t"] = time.perf_counter()
-
-    def point(done: int, total: int, label: str) -> None:
-        spent = time.perf_counter() - started["t"]
-        eta = f", about {spent / done * (total - done):.0f} s left" if done else ""
-        err_console.print(f"  point {done + 1}/{total}: {label} ({spent:.0f} s{eta})", highlight=False)
-
-    return Progress(stage=stage, point=point)
+    return Progress(stage=display.stage, point=lambda done, total, label: display.tick(done, total, note=label))
 
 
 def _fmt(x, spec: str) -> str:

@@ -7,9 +7,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .common import JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .common import JsonOpt, RunProgress, err_console, exits_cleanly, out_console, print_json
 
-app = typer.Typer(help="SPAVA: sequence-parallel approximate prefill (paper 001) on torch.distributed.", no_args_is_help=True)
+app = typer.Typer(help="SPAVA: sequence-parallel approximate prefill (paper 001) on torch.distributed: run, sweep.", no_args_is_help=True)
 
 ModelOpt = Annotated[str, typer.Option(help="smollm2-135m, gemma3-270m, a local HF directory, a hub id in the local cache, or a .gguf file.")]
 NprocOpt = Annotated[int, typer.Option(help="Processes (ranks); one GPU each with NCCL.")]
@@ -32,14 +32,13 @@ def run_launch(cfg, title: str) -> dict:
     """Launch with a status line; a failed rank is one red line and exit 1."""
     from sparsesearch.spava.launch import launch, preflight
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     preflight(cfg)  # bad input: one line, exit 2, before anything starts
     total = len(cfg.tokens) * len(cfg.anchors) * len(cfg.passings)
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True) as bar:
-            task = bar.add_task(f"{title}: {cfg.nproc} processes, {cfg.model}, loading, exact ring, then SPAVA", total=total)
-            return launch(cfg, tick=lambda done, n: bar.update(task, completed=done, total=n))
+        with RunProgress(transient=True) as progress:
+            progress.stage(f"{title}: {cfg.nproc} processes, {cfg.model}, loading, exact ring, then SPAVA; configurations")
+            progress.tick(0, total)
+            return launch(cfg, tick=progress.tick)
     except RuntimeError as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .common import DeviceOpt, JsonOpt, err_console, exits_cleanly, out_console, print_json
+from .common import DeviceOpt, JsonOpt, RunProgress, err_console, exits_cleanly, fold_cells, out_console, print_json
 
 
 def _ints(option: str, text: str) -> tuple[int, ...]:
@@ -78,12 +77,11 @@ def sweep_nosa(
     preflight(settings)  # bad input is one line before any progress output, nothing written
     if "trained" in settings.proxies:  # the config tells whether the model can carry the head: no 40-90 s load first
         check.eviction_head_possible("--proxy", model, trust_remote_code=trust_remote_code)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=json_out) as bar:
-        task = bar.add_task("starting", total=None)
-        outcome = run_sweep(settings, stage=lambda s: bar.update(task, description=s, total=None, completed=0),
-                            tick=lambda i, n: bar.update(task, total=n, completed=i))
-    summary = {"artifact": str(outcome.path), "plot": str(outcome.plot) if outcome.plot else None, "context": outcome.context,
+    with RunProgress(transient=json_out) as progress:
+        outcome = run_sweep(settings, stage=progress.stage, tick=progress.tick)
+    for note in outcome.notes:  # e.g. a context shorter than --context: said, not silently measured
+        err_console.print(note, highlight=False, soft_wrap=True)
+    summary = {"artifact": str(outcome.path), "plot": str(outcome.plot) if outcome.plot else None, "context": outcome.context, "context_requested": context,
                "decode_steps": decode_steps, "seconds": round(outcome.seconds, 1), "model_load_seconds": round(outcome.model_load_seconds, 1),
                "resumed_configs": outcome.resumed, "recommended": outcome.recommended, "configs": outcome.summaries}
     if json_out:
@@ -98,7 +96,7 @@ def sweep_nosa(
         table.add_row(mark + x["config"], f"{x['kl']:.4f}", f"{x['recall']:.3f}", f"{x['gamma_mean']:.3f}", gmin,
                       f"[red]{x['violations']}[/red]" if x["violations"] else "0", str(x["unstable_rows"]), f"{x['hit_rate']:.3f}",
                       f"{x['h2d_bytes_per_token'] / 1024:.1f}", f"{x['modelled_tokens_per_s']:.0f}")
-    out_console.print(table)
+    out_console.print(fold_cells(table))
     out_console.print("γ≥bound: smallest γ at stable steps vs (k - k_q)/k; unstable: (layer, head, step) rows at block boundaries, "
                       "reported apart; tok/s*: modelled (sparsesearch/nosa/throughput.py)")
     out_console.print(f"{outcome.seconds:.0f} s (model load {outcome.model_load_seconds:.0f} s, {outcome.resumed} configurations resumed) · "

@@ -507,7 +507,11 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
         raise ValueError("quality targets allocate the global pattern of text calibration data; multi-modal data "
                          "(boundary search over modality regions) is not supported with --target-kl/--max-output-error/--latency-budget")
     data_sha = sha256_of(samples)
+    resumed = cfg.resume and (cfg.out.with_name(cfg.out.name + ".partial") / "state.json").is_file()
     work, created = _prepare_workdir(cfg, _fingerprint(cfg, info, data_sha, space.sha256, device))
+    notes = [resumed_note(work)] if resumed else []
+    if notes:
+        progress.stage(notes[0])
     costs = cost_model_for(device)
     total = Timings()
     started = time.perf_counter()
@@ -619,7 +623,14 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
             curve_png = None
     shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
-    return CalibrationResult(path, manifest, rows, timings, fidelity, png, curve_png=curve_png)
+    return CalibrationResult(path, manifest, rows, timings, fidelity, png, notes=notes, curve_png=curve_png)
+
+
+def resumed_note(work: Path) -> str:
+    """What a resumed run says it kept: the (sample, layer) score files already in OUT.partial/, which it
+    does not search again."""
+    kept = len({tuple(path.name.split("_", 2)[:2]) for path in work.glob("s*_l*_*.json")})  # s{si}_l{layer}_{region}.json
+    return f"resumed from {work}: {kept} (sample, layer) score(s) kept, searched only what is missing"
 
 
 def eval_specs(eval_data: str | None) -> list[str]:

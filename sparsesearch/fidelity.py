@@ -23,6 +23,7 @@ package that imports transformers) is imported when a run applies an artifact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -171,16 +172,20 @@ def _sparse_forward(model, artifact, modality, ids, kwargs: dict, min_tokens: in
         remove(model)
 
 
-def attend(model, tokenizer, samples: list, artifact=None, *, min_tokens: int = 1024, audit: bool = False) -> Run:
-    """``final_hidden`` for every sample, and ``generate`` for those with an answer (retrieval)."""
+def attend(model, tokenizer, samples: list, artifact=None, *, min_tokens: int = 1024, audit: bool = False,
+           on_prompt: Callable[[int, int], None] | None = None) -> Run:
+    """``final_hidden`` for every sample, and ``generate`` for those with an answer (retrieval);
+    ``on_prompt(done, total)`` after each sample, for a front end's progress display."""
     run = Run([], [])
-    for sample in samples:
+    for done, sample in enumerate(samples, 1):
         hidden, errors = final_hidden(model, sample, artifact, min_tokens=min_tokens, audit=audit)
         run.hidden.append(hidden)
         for layer, err in errors.items():
             run.audit.setdefault(layer, []).append(err)
         if sample.answer is not None:
             run.generations.append(generate(model, tokenizer, sample, artifact, min_tokens=min_tokens))
+        if on_prompt is not None:
+            on_prompt(done, len(samples))
     return run
 
 
@@ -333,14 +338,16 @@ class Reference:
     run: Run
 
 
-def dense_reference(model, tokenizer, samples: list, *, data: str, depths: list[float] | None = None) -> Reference:
+def dense_reference(model, tokenizer, samples: list, *, data: str, depths: list[float] | None = None,
+                    on_prompt: Callable[[int, int], None] | None = None) -> Reference:
     """``attend`` with the model's own attention over ``samples``, kept as a Reference."""
     if not samples:
         raise ValueError("a fidelity reference needs at least one prompt")
-    return Reference(data, list(samples), depths, attend(model, tokenizer, samples))
+    return Reference(data, list(samples), depths, attend(model, tokenizer, samples, on_prompt=on_prompt))
 
 
-def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], reference: Reference, *, min_tokens: int = 1024) -> dict:
+def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], reference: Reference, *, min_tokens: int = 1024,
+                     on_prompt: Callable[[int, int], None] | None = None) -> dict:
     """The artifact (manifest + heads rows) through the sparse runtime on the reference's prompts, compared
     with the reference's dense run (no dense forward here). Returns ``evaluate_fidelity``'s report."""
     from types import SimpleNamespace
@@ -351,7 +358,7 @@ def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], referen
 
     prompts = reference.samples
     artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
-    sparse = attend(model, tokenizer, prompts, artifact, min_tokens=min_tokens, audit=True)
+    sparse = attend(model, tokenizer, prompts, artifact, min_tokens=min_tokens, audit=True, on_prompt=on_prompt)
     densities = [d for d in effective_densities(manifest, rows).values() if d is not None]  # imported rows have none
     return {
         "eval_data": reference.data, "samples": len(prompts), "tokens": max(len(p) for p in prompts),
@@ -361,24 +368,32 @@ def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], referen
     }
 
 
-def held_out_reference(model, tokenizer, *, data: str, samples: int, tokens: int, seed: int = 0) -> Reference:
+def held_out_reference(model, tokenizer, *, data: str, samples: int, tokens: int, seed: int = 0,
+                       on_prompt: Callable[[int, int], None] | None = None) -> Reference:
     """``dense_reference`` over ``held_out_samples``."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     prompts, depths = held_out_samples(data, tokenizer, samples=samples, tokens=tokens, seed=seed)
-    return dense_reference(model, tokenizer, prompts, data=data, depths=depths)
+    return dense_reference(model, tokenizer, prompts, data=data, depths=depths, on_prompt=on_prompt)
 
 
 def evaluate_fidelity(model, tokenizer, manifest: dict, rows: list[dict], *, data: str, samples: int, tokens: int,
-                      seed: int = 0, min_tokens: int = 1024) -> dict:
+                      seed: int = 0, min_tokens: int = 1024, progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Held-out samples of ``data`` (``held_out_samples``): dense vs the artifact (manifest + heads rows)
     through the sparse runtime. Returns ``compare``'s report (teacher-forced KL and perplexity over every
     position, next-token KL, greedy agreement and retrieval counts with a verdict for retrieval data) plus
     eval_data, samples, tokens (the longest prompt), mean effective density and each layer's
     attention-output error measured inside the sparse prefill (runtime audit). To compare several
-    artifacts with one dense run: ``held_out_reference`` once, then ``evaluate_against`` per artifact."""
-    reference = held_out_reference(model, tokenizer, data=data, samples=samples, tokens=tokens, seed=seed)
-    return evaluate_against(model, tokenizer, manifest, rows, reference, min_tokens=min_tokens)
+    artifacts with one dense run: ``held_out_reference`` once, then ``evaluate_against`` per artifact.
+    ``progress(pass, done, total)`` after each prompt of the dense pass and of the sparse pass."""
+    reference = held_out_reference(model, tokenizer, data=data, samples=samples, tokens=tokens, seed=seed,
+                                   on_prompt=_one_pass(progress, "dense"))
+    return evaluate_against(model, tokenizer, manifest, rows, reference, min_tokens=min_tokens, on_prompt=_one_pass(progress, "sparse"))
+
+
+def _one_pass(progress: Callable[[str, int, int], None] | None, name: str) -> Callable[[int, int], None] | None:
+    """``progress`` with the pass's name bound: the per-prompt callback of ``attend``."""
+    return None if progress is None else (lambda done, total: progress(name, done, total))
 
 
 def describe(result: dict) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import json
 import math
 import shutil
@@ -80,6 +81,7 @@ class SweepOutcome:
     resumed: int
     context: int
     model_load_seconds: float
+    notes: list[str] = field(default_factory=list)
 
 
 def configs_of(s: SweepSettings) -> list[tuple[float, NosaConfig]]:
@@ -211,10 +213,23 @@ def prefill(model, ids: torch.Tensor, context: int, hist: int, layers: list[int]
 
     with torch.no_grad(), attention_capture(model, sink):
         out = model(ids[:, :context], use_cache=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     with torch.no_grad():
-        dense = model(ids[:, context:-1], past_key_values=copy.deepcopy(cache), use_cache=True)
+        dense = model(ids[:, context:-1], **cache_kwarg(model, copy.deepcopy(cache)), use_cache=True)
     return Prompt(cache, hist_q, colsum, eviction, dense.logits[0].float(), out.logits[0, -1].float())
+
+
+def cache_kwarg(model, cache) -> dict:
+    """The forward's keyword for a KV cache: ``cache`` where the model's forward takes it (transformers 5.2x,
+    where ``past_key_values`` is deprecated with a FutureWarning per call), ``past_key_values`` on the older
+    releases pyproject still allows."""
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
+
+
+def returned_cache(out):
+    """The cache a forward returned, under its current name (``cache``) or the older one."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -244,7 +259,7 @@ def run_config(model, ids: torch.Tensor, context: int, prompt: Prompt, cfg: Nosa
         return out.reshape(heads, steps, -1).transpose(0, 1)[None].to(query.dtype)
 
     with torch.no_grad(), nosa_attention(model, handler):
-        out = model(ids[:, context:-1], past_key_values=copy.deepcopy(prompt.cache), use_cache=True)
+        out = model(ids[:, context:-1], **cache_kwarg(model, copy.deepcopy(prompt.cache)), use_cache=True)
     return metrics, out.logits[0].float()
 
 
@@ -387,6 +402,7 @@ def run_sweep(s: SweepSettings, stage: Callable[[str], None] = lambda x: None, t
     stage("building the held-out text")
     sample = held_out(s.data, tokenizer, max_tokens=s.context + s.decode_steps + 1, seed=s.seed)
     context = len(sample) - s.decode_steps - 1
+    notes = [shortened_note(s, context, len(sample))] if context < s.context else []
     hist = max(64, *(c.block for _, c in configs))
     if context < hist + 1:
         raise ValueError(f"--data {s.data}: the held-out text has {len(sample)} tokens, too few for --decode-steps {s.decode_steps} after a {hist}-token prompt")
@@ -431,7 +447,14 @@ def run_sweep(s: SweepSettings, stage: Callable[[str], None] = lambda x: None, t
     except ImportError:
         plot = None
     shutil.rmtree(partial, ignore_errors=True)
-    return SweepOutcome(path, summaries, best, plot, time.perf_counter() - started, resumed, context, loaded)
+    return SweepOutcome(path, summaries, best, plot, time.perf_counter() - started, resumed, context, loaded, notes)
+
+
+def shortened_note(s: SweepSettings, context: int, got: int) -> str:
+    """Why the measured context is shorter than --context: the held-out text gave fewer tokens than asked
+    (a data set's prompt is built to about the length, not to the token)."""
+    return (f"context shortened: --context {s.context} asked, {context} used; --data {s.data} gave {got} tokens, "
+            f"{s.decode_steps + 1} of which are the continuation the {s.decode_steps} decode steps are scored on")
 
 
 RECOMMENDED_KEYS = ("proxy", "block", "budget", "k", "k_q", "k_e", "kq_ratio", "n_init", "n_win")
