@@ -91,6 +91,7 @@ def inspect(artifact: ArtifactArg, json_out: JsonOpt = False) -> None:
     out_console.print(fold_cells(table))
     _print_reasons(summary["reasons"])
     _print_ties(summary["ties"])
+    _print_stability(summary.get("stability"))
 
 
 def metric_units(summary: dict) -> str:
@@ -151,3 +152,26 @@ def _print_ties(ties: list[dict]) -> None:
     out_console.print(table)
     if len(ties) > REASONS_SHOWN:
         out_console.print(f"... and {len(ties) - REASONS_SHOWN} more (--json lists every one)", highlight=False)
+
+
+def _print_stability(stability: dict | None) -> None:
+    """Heads whose pick changed between calibration samples (search/stability.py): each sample's own pick and
+    the chosen candidate's error per sample. Silent for single-sample artifacts (nothing to compare)."""
+    if not stability:
+        return
+    spread = stability.get("max_error_spread")
+    out_console.print(f"stability over {stability['samples']} calibration samples: {stability['unstable_count']} of "
+                      f"{stability['heads']} heads unstable (they took the lowest worst-case error)"
+                      + ("" if spread is None else f"; largest error spread of a pick {spread:.3g}"), highlight=False)
+    unstable = stability.get("unstable") or []
+    if not unstable:
+        return
+    table = Table(title=f"unstable heads ({len(unstable)})")
+    for name in ("layer", "head", "pick per sample", "error per sample"):
+        table.add_column(name, justify="right" if name in ("layer", "head") else "left")
+    for s in unstable[:REASONS_SHOWN]:
+        errors = " / ".join("-" if e is None else f"{e:.3g}" for e in s["errors"])
+        table.add_row(str(s["layer"]), str(s["head"]), " / ".join(s["picks"]), errors)
+    out_console.print(fold_cells(table))
+    if len(unstable) > REASONS_SHOWN:
+        out_console.print(f"... and {len(unstable) - REASONS_SHOWN} more (--json lists every one)", highlight=False)

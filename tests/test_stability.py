@@ -80,3 +80,19 @@ def test_calibrate_with_two_samples_records_stability(tmp_path):
     for row in result.rows:
         if (row["layer"], row["head"]) in unstable and row["reason"]:
             assert "unstable across samples" in row["reason"]
+
+
+def test_inspect_shows_unstable_heads(tmp_path):
+    from typer.testing import CliRunner
+
+    from artifact_fixtures import edit_manifest, make_artifact, mix_rows
+    from cli.app import app
+    from sparsesearch.artifacts.io import read_manifest
+
+    chosen = head_rows(mean_scored([A, B]), BUDGET, "output_error")
+    rec = record({1: head_stability([A, B], [BUDGET, BUDGET], "output_error", chosen)}, samples=2)
+    path = make_artifact(tmp_path / "a", mix_rows())
+    mm = read_manifest(path)["methods"]["mminference"] or {"table": "heads.parquet"}
+    edit_manifest(path, methods={**read_manifest(path)["methods"], "mminference": {**mm, "stability": rec}})
+    out = CliRunner().invoke(app, ["inspect", str(path)]).output
+    assert "1 of 2 heads unstable" in out and "ashape / vertical_slash" in out
