@@ -11,19 +11,19 @@ from ._shared import ArtifactArg
 from .common import BadInput, JsonOpt, err_console, exits_cleanly, print_json
 from .engines import ENGINE_FORMATS, engine_out_free, export_engine, print_engine_notes
 
-FORMATS = ("minference", "flex", "duo", "json", "qwen-1m", "flashprefill")
+FORMATS = ("minference", "flex", "duo", "json", "qwen-1m", "flashprefill", "flashinfer", "modelopt")
 
 
 @exits_cleanly
 def export(
     artifact: ArtifactArg,
-    fmt: Annotated[str, typer.Option("--format", help="minference (MInference JSON), flex (FlexAttention block lists, .safetensors), duo (DuoAttention TSV), json, qwen-1m (sparse_attention_config.json for the dual-chunk engines) or flashprefill (its dense-prefix flag line); see docs/deploying.md.", show_default=False)],
+    fmt: Annotated[str, typer.Option("--format", help="minference (MInference JSON), flex (FlexAttention block lists, .safetensors), duo (DuoAttention TSV), json, qwen-1m (sparse_attention_config.json for the dual-chunk engines) flashprefill (its dense-prefix flag line), flashinfer (BSR plans per KV head, .safetensors) or modelopt (a sparse_attention_config block); see docs/deploying.md.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="File to write (never a directory); replaced atomically.", show_default=False)],
-    tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex: sequence length the block lists are built for (static patterns).")] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex, flashinfer: sequence length the block lists are built for (static patterns).")] = None,
     block: Annotated[int, typer.Option("--block", help="flex: FlexAttention tile size (16, 32, 64 or 128); which keys are admitted follows the artifact's own block sizes.")] = 128,
     qk: Annotated[Optional[Path], typer.Option("--qk", help="flex: .safetensors with q.{layer} [B,Hq,N,D] and k.{layer} [B,Hkv,N,D] for dynamic patterns.")] = None,
     global_only: Annotated[bool, typer.Option("--global-only", help="Export only the global (all x all) rows of a multi-modal calibration: boundary heads as their global pattern, what the runtime runs without modality ids.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="qwen-1m, flashprefill: replace an existing --out.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="qwen-1m, flashprefill, flashinfer, modelopt: replace an existing --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Export an artifact to MInference JSON, FlexAttention block lists, DuoAttention TSV or plain JSON.
@@ -63,7 +63,7 @@ def export(
 
         path = write_json(art, out)
     elif fmt in ENGINE_FORMATS:
-        path, extra = export_engine(art, fmt, out)
+        path, extra = export_engine(art, fmt, out, tokens=tokens)
     else:
         path = _export_flex(art, out, tokens, block, qk)
     digest = sha256_file(path)

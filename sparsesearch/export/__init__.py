@@ -6,6 +6,8 @@
 * ``json_dump``: plain JSON of manifest + rows for people and pipes (``export_json``)
 * ``qwen1m``: Qwen2.5-1M ``sparse_attention_config.json`` under the dual-chunk engines' rules (``export_qwen1m``)
 * ``flashprefill``: FlashPrefill's dense-prefix flag line from the TriangleMix start layer (``flag_line``)
+* ``flashinfer``: FlashInfer BSR plans per layer and KV head for static patterns (``export_flashinfer``)
+* ``modelopt``: NVIDIA ModelOpt ``sparse_attention_config`` block (``export_modelopt``)
 * ``check``: a file of the engine formats checked against a model's config and the engine's rules (``check_file``)
 """
 
@@ -14,7 +16,7 @@ from .flex import block_mask_from_tensors, flex_block_mask, flex_tensors, load_f
 from .json_dump import export_json, write_json
 from .minference import export_minference, import_minference, minference_json, write_minference
 
-FORMATS = ("minference", "flex", "duo", "json", "qwen-1m", "flashprefill")
+FORMATS = ("minference", "flex", "duo", "json", "qwen-1m", "flashprefill", "flashinfer", "modelopt")
 
 __all__ = [
     "FORMATS", "duo_tsv", "export_duo", "write_duo", "block_mask_from_tensors", "flex_block_mask", "flex_tensors",

@@ -99,3 +99,22 @@ def write_file_atomic(out, data: bytes) -> Path:
     """Write ``data`` to the export's ``out`` whole or not at all (``files.write_bytes_atomic``), refused first
     when ``out`` is a directory."""
     return write_bytes_atomic(check_output_file(out), data)
+
+
+def read_tagged_safetensors(path, fmt: str) -> tuple[dict[str, str], dict]:
+    """(header metadata, tensors by name) of a .safetensors file whose metadata ``format`` is ``fmt``; ValueError
+    (one line) for a missing, damaged or other file. Tensors are read only once the format matches."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()} if meta.get("format") == fmt else {}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for damaged files
+        raise ValueError(f"{path.name}: cannot read safetensors ({' '.join(str(exc).split())})") from None
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path.name}: not a {fmt} file (metadata format {meta.get('format')!r})")
+    return meta, tensors

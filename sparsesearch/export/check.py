@@ -16,6 +16,18 @@ Rules per format (facts from docs/peers.md and the engines' code cited in ``expo
   130), as are the real Qwen2.5-1M file's 72 such heads.
 * ``flashprefill``: one line ``--flashprefill-full-attention-layers N`` with N at most the model's layers (a
   note when N covers every layer: nothing would run sparse), and a ``--tp`` the model's heads divide.
+* ``flashinfer`` (``export.flashinfer``): the plan's layer, query-head and KV-head counts equal the model's, its
+  length at most the model's context, R and C positive; per (layer, KV head) the three tensors present, indptr
+  [ceil(tokens / R) + 1] from 0, monotone, ending at the number of indices, indices in [0, ceil(tokens / C)) and
+  unique within a block row, one partial flag per index. Notes: C not dividing the length
+  (``BlockSparseAttentionWrapper`` reads every key block as C long), and heads whose ``lossy_blocks`` say
+  ``causal=True`` admits keys our window/sink mask drops.
+* ``modelopt`` (``export.modelopt``; a bare ``sparse_attention_config`` block or a config.json holding one):
+  ``config_groups`` a non-empty object of groups, each with a string ``algorithm``, a non-empty ``targets`` list
+  of strings, ``ignore`` strings naming ``layers.N`` with N in range, ``target_sparsity`` a number in [0, 1] or
+  ``{prefill, decode}`` of such; ``producer`` an object with a ``name``. Notes: an algorithm ModelOpt 0.47's
+  reader does not know (silently ignored), and a ``skip_softmax`` group without ``threshold_scale_factor`` (the
+  reader then runs its preset and applies neither ``ignore`` nor ``target_sparsity``).
 """
 
 from __future__ import annotations
@@ -25,10 +37,10 @@ from pathlib import Path
 
 from ..json_input import parse_json, read_bytes
 from ..models.info import ModelInfo
-from . import flashprefill, qwen1m
+from . import flashinfer, flashprefill, modelopt, qwen1m
 from .minference import CONFIG_MAX_BYTES, FALLBACK, TYPES, _is_int
 
-FORMATS = ("minference", "qwen-1m", "flashprefill")
+FORMATS = ("minference", "qwen-1m", "flashprefill", "flashinfer", "modelopt")
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,11 @@ def check_file(path, fmt: str, info: ModelInfo, *, tp: int | None = None) -> lis
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)} for a check, got {fmt!r}")
     path = Path(path)
+    if fmt == "flashinfer":  # binary and possibly large: safetensors reads it lazily
+        return check_flashinfer(*flashinfer.load_flashinfer(path), info, tp=tp)
     data = read_bytes(path, str(path), max_bytes=CONFIG_MAX_BYTES)
+    if fmt == "modelopt":
+        return check_modelopt(parse_json(data, path.name), path.name, info)
     if fmt == "flashprefill":
         return check_flashprefill(_text(data, path), path.name, info, tp=tp)
     config = parse_json(data, path.name)
@@ -199,4 +215,140 @@ def check_flashprefill(text: str, where: str, info: ModelInfo, *, tp: int | None
         out.append(problem(f"{flashprefill.FLAG} {layers} exceeds the model's {info.num_layers} layers"))
     elif layers == info.num_layers:
         out.append(note(f"{flashprefill.FLAG} {layers} keeps every layer dense: nothing runs sparse"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ flashinfer
+
+
+def _plan_findings(plan: dict, info: ModelInfo) -> list[Finding]:
+    """The plan's counts and sizes against the model; a plan missing a field is one problem line."""
+    fields = ("tokens", "R", "C", "num_layers", "num_qo_heads", "num_kv_heads", "heads")
+    missing = [name for name in fields if name not in plan]
+    if missing:
+        return [problem(f"plan metadata lacks {', '.join(missing)}")]
+    out = []
+    for name, want in (("num_layers", info.num_layers), ("num_qo_heads", info.num_heads), ("num_kv_heads", info.num_kv_heads)):
+        if plan[name] != want:
+            out.append(problem(f"the plan has {name} {plan[name]!r}, model {info.id} has {want}"))
+    sizes = [problem(f"plan {name} must be a positive integer, got {plan[name]!r}")
+             for name in ("tokens", "R", "C") if not _is_int(plan[name]) or plan[name] < 1]
+    if sizes:
+        return out + sizes
+    if info.max_position_embeddings is not None and plan["tokens"] > info.max_position_embeddings:
+        out.append(problem(f"plan tokens {plan['tokens']} exceed the model's context ({info.max_position_embeddings})"))
+    if plan["tokens"] % plan["C"]:
+        out.append(note(f"C {plan['C']} does not divide tokens {plan['tokens']}: BlockSparseAttentionWrapper reads every key "
+                        f"block as C long (pad the keys, or use VariableBlockSparseAttentionWrapper with the last block shortened)"))
+    return out
+
+
+def _bsr_findings(tensors: dict, where: str, row_blocks: int, col_blocks: int) -> list[Finding]:
+    """One (layer, KV head)'s BSR: indptr [row_blocks + 1] from 0, monotone, ending at len(indices); indices in
+    [0, col_blocks), unique within a block row; one partial flag per index."""
+    import torch
+
+    if any(name not in tensors for name in flashinfer.TENSORS):
+        return [problem(f"{where}: missing tensors (need {', '.join(flashinfer.TENSORS)})")]
+    indptr, indices, partial = (tensors[name].long() for name in flashinfer.TENSORS)
+    if indptr.dim() != 1 or indptr.numel() != row_blocks + 1:
+        return [problem(f"{where}: indptr must be [{row_blocks + 1}] (ceil(tokens / R) + 1), got {list(indptr.shape)}")]
+    if int(indptr[0]) != 0 or bool((indptr[1:] < indptr[:-1]).any()) or int(indptr[-1]) != indices.numel():
+        return [problem(f"{where}: indptr must start at 0, never decrease and end at the {indices.numel()} indices")]
+    out = []
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= col_blocks):
+        out.append(problem(f"{where}: indices out of range [0, {col_blocks}) (ceil(tokens / C) key blocks)"))
+    rows = torch.repeat_interleave(torch.arange(row_blocks), indptr[1:] - indptr[:-1])
+    if torch.unique(rows * (col_blocks + 1) + indices).numel() != indices.numel():
+        out.append(problem(f"{where}: a key block is listed twice in one block row"))
+    if partial.shape != indices.shape:
+        out.append(problem(f"{where}: partial must have one flag per index ({indices.numel()}), got {list(partial.shape)}"))
+    return out
+
+
+def check_flashinfer(plan: dict, tensors: dict, info: ModelInfo, *, tp: int | None = None) -> list[Finding]:
+    """Findings of a FlashInfer plan file (module docstring)."""
+    out = _plan_findings(plan, info) + _tp_findings(info, tp)
+    if any(f.level == "problem" for f in out):
+        return out
+    row_blocks, col_blocks = -(-plan["tokens"] // plan["R"]), -(-plan["tokens"] // plan["C"])
+    for layer in range(plan["num_layers"]):
+        for head in range(plan["num_kv_heads"]):
+            prefix = f"layers.{layer}.kv_heads.{head}."
+            mine = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            out += _bsr_findings(mine, f"layer {layer} KV head {head}", row_blocks, col_blocks)
+            out += _lossy_note(plan, layer, head)
+    return out
+
+
+def _lossy_note(plan: dict, layer: int, head: int) -> list[Finding]:
+    try:
+        entry = plan["heads"][layer][head]
+        lossy = entry["lossy_blocks"]
+    except (IndexError, KeyError, TypeError):
+        return [problem(f"layer {layer} KV head {head}: plan heads has no entry with lossy_blocks")]
+    if not lossy:
+        return []
+    return [note(f"layer {layer} KV head {head} ({entry.get('pattern')}): {lossy} partial blocks need the window/sink mask; "
+                 f"causal=True alone computes up to C - 1 more keys per row there")]
+
+
+# ------------------------------------------------------------------------------------------ modelopt
+
+
+def _sparsity_ok(value) -> bool:
+    number = lambda x: not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x <= 1  # noqa: E731
+    if isinstance(value, dict):
+        return bool(value) and set(value) <= {"prefill", "decode"} and all(number(v) for v in value.values())
+    return number(value)
+
+
+def _group_findings(name: str, group, info: ModelInfo) -> list[Finding]:
+    """One config group: algorithm, targets, ignore (layer names in range), target_sparsity."""
+    import re
+
+    where = f"config_groups.{name}"
+    if not isinstance(group, dict):
+        return [problem(f"{where}: expected an object, got {type(group).__name__}")]
+    out = []
+    algorithm = group.get("algorithm")
+    if not isinstance(algorithm, str):
+        out.append(problem(f"{where}: algorithm must be a string, got {algorithm!r}"))
+    elif algorithm not in modelopt.ALGORITHMS:
+        out.append(note(f"{where}: algorithm {algorithm!r} is unknown to ModelOpt 0.47's reader and silently ignored"))
+    elif algorithm == "skip_softmax" and "threshold_scale_factor" not in group:
+        out.append(note(f"{where}: no threshold_scale_factor: ModelOpt's reader runs its SKIP_SOFTMAX_TRITON_DEFAULT preset "
+                        f"and applies neither ignore nor target_sparsity"))
+    targets = group.get("targets")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        out.append(problem(f"{where}: targets must be a non-empty list of module class names, got {str(targets)[:60]}"))
+    ignore = group.get("ignore", [])
+    if not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+        return out + [problem(f"{where}: ignore must be a list of module names, got {str(ignore)[:60]}")]
+    for entry in ignore:
+        match = re.search(r"layers\.(\d+)(?:\.|$)", entry)
+        if match is None:
+            out.append(problem(f"{where}: ignore entry {entry!r} names no layer (layers.N)"))
+        elif int(match.group(1)) >= info.num_layers:
+            out.append(problem(f"{where}: ignore entry {entry!r}: layer out of range [0, {info.num_layers})"))
+    if "target_sparsity" in group and not _sparsity_ok(group["target_sparsity"]):
+        out.append(problem(f"{where}: target_sparsity must be in [0, 1] or {{prefill, decode}} of such, got {group['target_sparsity']!r}"))
+    return out
+
+
+def check_modelopt(config, where: str, info: ModelInfo) -> list[Finding]:
+    """Findings of a ``sparse_attention_config`` block (or a config.json holding one)."""
+    if isinstance(config, dict) and "sparse_attention_config" in config:
+        config = config["sparse_attention_config"]
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a JSON object (a sparse_attention_config block), got {type(config).__name__}")
+    groups = config.get("config_groups")
+    if not (isinstance(groups, dict) and groups):
+        return [problem("config_groups must be a non-empty object of groups")]
+    out = []
+    for name, group in groups.items():
+        out += _group_findings(name, group, info)
+    producer = config.get("producer")
+    if not (isinstance(producer, dict) and isinstance(producer.get("name"), str)):
+        out.append(problem(f"producer must be an object with a name, got {str(producer)[:60]}"))
     return out

@@ -64,7 +64,7 @@ from ..execute import HeadGroup, build_group_index, static_index
 from ..index import BLOCK_SIZES, BlockIndex, num_blocks, pack_lists, to_block_masks
 from ..patterns._common import query_block_bounds
 from ..patterns.registry import REGISTRY
-from ._common import effective_rows, write_file_atomic
+from ._common import effective_rows, read_tagged_safetensors, write_file_atomic
 
 FORMAT = "sparsesearch-flex"
 FULL, PARTIAL, COLUMN = 1, 2, 3
@@ -403,20 +403,7 @@ def write_flex(per_layer: dict[int, dict[str, torch.Tensor]], out, *, metadata: 
 
 def load_flex(path) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: tensors} from a file ``write_flex`` wrote (``block_mask_from_tensors`` turns one into a BlockMask)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            meta = handle.metadata() or {}
-            keys = list(handle.keys())
-            tensors = {key: handle.get_tensor(key) for key in keys} if meta.get("format") == FORMAT else {}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-        raise ValueError(f"{path.name}: cannot read safetensors ({' '.join(str(exc).split())})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path.name}: not a {FORMAT} file (metadata format {meta.get('format')!r})")
+    _, tensors = read_tagged_safetensors(path, FORMAT)
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         _, layer, name = key.split(".", 2)
