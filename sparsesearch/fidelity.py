@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from .quality import log_probs, token_kl, token_nll
+
 
 @dataclass
 class Generation:
@@ -200,7 +202,7 @@ def _head(model):
         logits = head(hidden).float()
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return torch.log_softmax(logits, -1)
+        return log_probs(logits)
 
     return logprobs
 
@@ -221,10 +223,10 @@ def position_scores(model, ids: torch.Tensor, reference: torch.Tensor, candidate
         for start in range(0, n, step):
             stop = min(n, start + step)
             p, q = logprobs(reference[start:stop]), logprobs(candidate[start:stop])
-            kl.append((p.exp() * (p - q)).sum(-1).clamp_min(0.0).cpu())  # rounding can dip a hair below 0
+            kl.append(token_kl(p, q).cpu())
             nxt = targets[start + 1 : stop + 1]
-            nll_ref.append(-p[: nxt.numel()].gather(-1, nxt[:, None])[:, 0].cpu())
-            nll_cand.append(-q[: nxt.numel()].gather(-1, nxt[:, None])[:, 0].cpu())
+            nll_ref.append(token_nll(p[: nxt.numel()], nxt).cpu())
+            nll_cand.append(token_nll(q[: nxt.numel()], nxt).cpu())
     return torch.cat(kl), torch.cat(nll_ref), torch.cat(nll_cand)
 
 

@@ -267,12 +267,10 @@ def token_quality(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tens
     """Per step: nll of the target under the sparse and dense logits, and KL(dense || sparse).
 
     logits, dense: [S, V]; targets: long [S]."""
-    lp, ld = torch.log_softmax(logits, -1), torch.log_softmax(dense, -1)
-    pick = targets[:, None]
-    return {
-        "nll": -lp.gather(-1, pick)[:, 0], "nll_dense": -ld.gather(-1, pick)[:, 0],
-        "kl": (ld.exp() * (ld - lp)).sum(-1).clamp_min(0.0),
-    }
+    from ..quality import log_probs, token_kl, token_nll
+
+    lp, ld = log_probs(logits), log_probs(dense)
+    return {"nll": token_nll(lp, targets), "nll_dense": token_nll(ld, targets), "kl": token_kl(ld, lp)}
 
 
 def config_rows(cfg: NosaConfig, metrics: dict[int, dict], quality: dict[str, torch.Tensor], kq_ratio: float) -> pd.DataFrame:

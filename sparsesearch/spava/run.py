@@ -99,12 +99,14 @@ def build_prompt(cfg: SpavaConfig, tokenizer, n: int, seed: int | None = None) -
 def quality(logits: torch.Tensor, exact: torch.Tensor, ids: torch.Tensor, answer: int) -> dict:
     """logits, exact fp32 [B, q, V] over the query positions; ids long [B, n]."""
     q = logits.shape[1]
-    lp, le = torch.log_softmax(logits, -1), torch.log_softmax(exact, -1)
+    from ..quality import log_probs, token_kl, token_nll
+
+    lp, le = log_probs(logits), log_probs(exact)
     targets = ids[:, -q + 1 :]  # the next token of each query position but the last
-    nll = lambda l: float(-l[:, :-1].gather(-1, targets[..., None]).mean())
+    nll = lambda l: float(token_nll(l[:, :-1], targets).mean())
     row = {
         "logit_rel_error": float((logits - exact).norm() / exact.norm()),
-        "kl": float((le.exp() * (le - lp)).sum(-1).mean()),
+        "kl": float(token_kl(le, lp).mean()),
         "ppl": math.exp(nll(lp)), "ppl_exact": math.exp(nll(le)),
         "top1_agreement": float((logits.argmax(-1) == exact.argmax(-1)).float().mean()),
     }
