@@ -22,6 +22,8 @@ def export(
     tokens: Annotated[Optional[int], typer.Option("--tokens", help="flex, flashinfer: sequence length the block lists are built for (static patterns).")] = None,
     block: Annotated[int, typer.Option("--block", help="flex: FlexAttention tile size (16, 32, 64 or 128); which keys are admitted follows the artifact's own block sizes.")] = 128,
     qk: Annotated[Optional[Path], typer.Option("--qk", help="flex: .safetensors with q.{layer} [B,Hq,N,D] and k.{layer} [B,Hkv,N,D] for dynamic patterns.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", help="flex: a held-out data spec (e.g. text:shakespeare); its --tokens-long prompt runs through --model and the dynamic heads' block lists are built from its own q/k.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="flex with --prompt: the model the artifact was made for.")] = None,
     global_only: Annotated[bool, typer.Option("--global-only", help="Export only the global (all x all) rows of a multi-modal calibration: boundary heads as their global pattern, what the runtime runs without modality ids.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="qwen-1m, flashprefill, flashinfer, modelopt: replace an existing --out.")] = False,
     json_out: JsonOpt = False,
@@ -42,7 +44,7 @@ def export(
 
     check_output_file(out)
     # An export is one new file: never one of the artifact's (nor inside its directory), never the --qk input.
-    check.output_path("--out", out, reads={"artifact": artifact, "--qk": qk})
+    check.output_path("--out", out, reads={"artifact": artifact, "--qk": qk, "--prompt": prompt}, model=model)
     if fmt in ENGINE_FORMATS:
         engine_out_free(out, overwrite)
     art = load_artifact(artifact)
@@ -64,6 +66,8 @@ def export(
         path = write_json(art, out)
     elif fmt in ENGINE_FORMATS:
         path, extra = export_engine(art, fmt, out, tokens=tokens)
+    elif prompt is not None:
+        path = _export_flex_prompt(art, out, tokens, block, prompt, model, qk)
     else:
         path = _export_flex(art, out, tokens, block, qk)
     digest = sha256_file(path)
@@ -96,6 +100,32 @@ def _export_flex(art, out: Path, tokens: Optional[int], block: int, qk: Optional
             else:
                 per_layer[layer] = flex_tensors(art, layer, q_len=tokens, block=block)
     meta = {"artifact": art.path.name, "heads_sha256": art.manifest["files"].get("heads.parquet", "")}
+    return write_flex(per_layer, out, metadata=meta)
+
+
+def _export_flex_prompt(art, out: Path, tokens: Optional[int], block: int, prompt: str, model: Optional[str], qk: Optional[Path]) -> Path:
+    """flex block lists of every head, dynamic ones included, on one held-out prompt of --prompt run through
+    --model: everything the arguments and the model's config can tell is checked before the weights load."""
+    from sparsesearch import preflight as check
+    from sparsesearch.artifacts import load_artifact
+    from sparsesearch.data import held_out
+    from sparsesearch.export.flex import captured_flex, write_flex
+    from sparsesearch.models import load_model
+
+    if qk is not None or model is None or tokens is None:
+        raise BadInput("--format flex --prompt needs --model and --tokens, and no --qk")
+    info = check.model_info(model)
+    check.tokens_fit("--tokens", tokens, info)
+    check.data("--prompt", prompt, tokens=tokens, held_out=True)
+    load_artifact(art.path, model_info=info)  # the artifact fits this model (one line if not)
+    _check_size(art, tokens, block)
+    with err_console.status(f"loading {model}"):
+        loaded, tokenizer, info = load_model(model)
+    sample = held_out(prompt, tokenizer, max_tokens=tokens)
+    with err_console.status(f"running the {len(sample)}-token prompt and building every layer's block lists"):
+        per_layer = captured_flex(art, loaded, sample, block=block, info=info)
+    meta = {"artifact": art.path.name, "heads_sha256": art.manifest["files"].get("heads.parquet", ""),
+            "prompt": f"{prompt} ({len(sample)} tokens, held-out part)"}
     return write_flex(per_layer, out, metadata=meta)
 
 

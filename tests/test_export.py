@@ -360,3 +360,34 @@ def test_flex_trianglemix_layers_and_missing_heads_follow_the_runtime(tmp_path):
 
 def test_replace_keeps_tiny_model(tmp_path):
     assert replace(TINY, num_layers=2) == TINY
+
+
+def test_flex_export_of_dynamic_heads_from_a_prompt_through_the_model(tmp_path):
+    """P12 §2: an artifact with vertical-slash heads exports to flex from the CLI alone: --prompt runs one
+    held-out prompt through --model, and the block lists equal those built from that prompt's own q/k."""
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    from sparsesearch.data import held_out
+    from sparsesearch.export.flex import flex_tensors, load_flex
+    from sparsesearch.models import capture_qkv, load_model
+    from sparsesearch.pareto.baselines import vertical_slash_point
+    from tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny", layers=2, heads=2, kv_heads=1)
+    model, tok, info = load_model(model_dir, dtype="float32", device="cpu")
+    point = vertical_slash_point(info, 256, 0.3)
+    art_path = write_artifact(tmp_path / "vs", point.manifest, {"heads.parquet": point.rows})
+    out = tmp_path / "vs.safetensors"
+    result = CliRunner().invoke(app, ["export", str(art_path), "--format", "flex", "--model", model_dir, "--prompt",
+                                      "text:shakespeare", "--tokens", "256", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    art = load_artifact(art_path)
+    sample = held_out("text:shakespeare", tok, max_tokens=256)
+    caps = capture_qkv(model, sample.input_ids[None], info=info)
+    got = load_flex(out)
+    for cap in caps:
+        want = flex_tensors(art, cap.layer, q=cap.q, k=cap.k)
+        assert set(got[cap.layer]) == set(want) and all(torch.equal(got[cap.layer][n], want[n]) for n in want)
+    refused = CliRunner().invoke(app, ["export", str(art_path), "--format", "flex", "--tokens", "256", "--out", str(tmp_path / "x.st")])
+    assert refused.exit_code == 2 and "--prompt" in refused.output

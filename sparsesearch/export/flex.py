@@ -133,7 +133,7 @@ def _head_index(row: dict, q, k, head: int, space: str, geometry: tuple) -> Bloc
     if q is None:
         raise ValueError(
             f"layer {row['layer']} head {head} uses {row['pattern']}, which is estimated from Q and K: "
-            "give q and k (CLI: --qk FILE)"
+            "give q and k (CLI: --prompt SPEC --model M captures them from the model on one prompt, or --qk FILE)"
         )
     return build_group_index(g, q, k, space)
 
@@ -242,6 +242,23 @@ def flex_tensors(
     if columns is not None:
         out["columns"] = columns
     return out
+
+
+def captured_flex(artifact: Artifact, model, sample, *, block: int = 128, info=None) -> dict[int, dict[str, torch.Tensor]]:
+    """``flex_tensors`` of every layer on one prompt's own post-RoPE q/k, captured from ``model`` as it runs the
+    prompt (models.capture_qkv, one layer at a time, so only one layer's q/k is held): what a dynamic head's
+    block lists are on that prompt. sample: a data Sample (input_ids [N]). Returns {layer: tensors}."""
+    from ..models import capture_qkv
+
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_layer(layer: int, cap) -> None:
+        per_layer[layer] = flex_tensors(artifact, layer, q=cap.q, k=cap.k, block=block)
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        capture_qkv(model, sample.input_ids[None].to(device), on_layer=on_layer, to_cpu=True, info=info)
+    return per_layer
 
 
 def flex_bytes(artifact: Artifact, q_len: int, kv_len: int | None = None, block: int = 128) -> int:
