@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import inspect
 import json
 import math
 import shutil
@@ -34,6 +33,7 @@ import pandas as pd
 import torch
 
 from ..files import atomic_path, write_json_atomic
+from ..models.forward import cache_kwarg, returned_cache
 from .config import NosaConfig, make_config
 from .proxies import eviction_weights, h2o_column_sums
 from .simulate import LayerInputs, simulate_layer
@@ -217,19 +217,6 @@ def prefill(model, ids: torch.Tensor, context: int, hist: int, layers: list[int]
     with torch.no_grad():
         dense = model(ids[:, context:-1], **cache_kwarg(model, copy.deepcopy(cache)), use_cache=True)
     return Prompt(cache, hist_q, colsum, eviction, dense.logits[0].float(), out.logits[0, -1].float())
-
-
-def cache_kwarg(model, cache) -> dict:
-    """The forward's keyword for a KV cache: ``cache`` where the model's forward takes it (transformers 5.2x,
-    where ``past_key_values`` is deprecated with a FutureWarning per call), ``past_key_values`` on the older
-    releases pyproject still allows."""
-    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
-
-
-def returned_cache(out):
-    """The cache a forward returned, under its current name (``cache``) or the older one."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..merge import merge_partials
+from ..models.forward import cache_kwarg
 from .attention import QUERY_OWNER
 from .comm import Collectives
 from .exact import zigzag_positions
@@ -289,7 +290,7 @@ def greedy(model, cache, first: torch.Tensor, start: int, steps: int) -> tuple[t
     with torch.no_grad():
         for i in range(1, steps):
             pos = torch.tensor([start + i - 1], device=first.device)
-            lg = model(input_ids=out[-1][:, None], past_key_values=cache, position_ids=pos[None].expand(first.shape[0], -1),
+            lg = model(input_ids=out[-1][:, None], **cache_kwarg(model, cache), position_ids=pos[None].expand(first.shape[0], -1),
                        cache_position=pos, use_cache=True).logits[:, -1].float()
             logits.append(lg)
             out.append(lg.argmax(-1))
@@ -355,5 +356,5 @@ def dense_generate(model, ids: torch.Tensor, steps: int):
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits
     return greedy(model, cache, logits[:, -1].argmax(-1), ids.shape[1], steps)[0], cache
