@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from .orphan import watch_from_env
 from .run import SpavaConfig, rank_main
 
 
@@ -45,6 +46,7 @@ def parse(argv=None) -> tuple[SpavaConfig, str | None]:
 
 def main(argv=None) -> None:
     cfg, result = parse(argv)
+    watch_from_env(result)  # a launcher killed outright leaves no rank running (orphan.py)
     rows = rank_main(cfg, result)
     if int(os.environ.get("RANK", "0")) == 0 and not result:
         print(json.dumps(rows, indent=1, default=str))

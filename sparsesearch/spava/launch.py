@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .decode import DECODERS
 from .group import check_backend, child_env, free_port
+from .orphan import LAUNCHER_ENV
 from .run import PROGRESS, SpavaConfig, layouts
 
 
@@ -95,7 +96,7 @@ def launch(cfg: SpavaConfig, *, wall_s: float | None = None, log_path: Path | No
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                "-m", "sparsesearch.spava", "--config", json.dumps(asdict(cfg)), "--result", str(result)]
         env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc))),
-                        **triton_mode(check_backend(cfg.backend, cfg.nproc)))
+                        **triton_mode(check_backend(cfg.backend, cfg.nproc)), **{LAUNCHER_ENV: str(os.getpid())})
         with open(log_file, "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
