@@ -110,13 +110,13 @@ def exits_cleanly(fn: Callable) -> Callable:
     return wrapper
 
 
-# Column headers for pattern names: a table with one column per pattern fits 80 columns with these.
-SHORT_LABELS = {"ashape": "A-shp", "block_topk": "topk", "vertical_slash": "v-slash", "triangle": "tri", "dense": "dense", "grid": "grid"}
-
-
 def short_label(name: str) -> str:
-    """A pattern's column header (its name where it has no short one)."""
-    return SHORT_LABELS.get(name, name)
+    """A pattern's column header: the registry's LABEL fact (a table with one column per pattern fits 80
+    columns with these), or the name itself for anything the registry does not know."""
+    from sparsesearch.patterns.registry import REGISTRY
+
+    module = REGISTRY.get(name)
+    return module.LABEL if module is not None else name
 
 
 def fold_cells(table: Table) -> Table:

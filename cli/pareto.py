@@ -26,7 +26,7 @@ def _names(text: str) -> list[str]:
 def pareto(
     artifact: Annotated[Optional[list[Path]], typer.Option("--artifact", help="A searched artifact to place on the curve (repeat for a budget sweep).")] = None,
     model: Annotated[str, typer.Option(help="The model (alias, directory, hub id, .gguf); every artifact must be made for it.")] = "smollm2-135m",
-    baselines: Annotated[str, typer.Option(help="One-size families, comma-separated: ashape, vertical_slash, block_topk, triangle, duo, dense ('' for none).")] = "ashape,vertical_slash,block_topk,triangle,duo,dense",
+    baselines: Annotated[str, typer.Option(help="One-size families, comma-separated ('' for none): streaming (A-shape, StreamingLLM), minference (vertical-slash on every head), topk (block top-k), trianglemix (TriangleMix alone), duo (streaming and dense heads, DuoAttention-style), dense.")] = "streaming,minference,topk,trianglemix,duo,dense",
     budgets: Annotated[str, typer.Option(help="Each family's budgets as fractions of dense attention cost, in (0, 1].")] = "0.3,0.5,0.7",
     data: Annotated[str, typer.Option(help="Held-out data every point is measured on (text:shakespeare: the held-out plays; synthetic:passkey adds retrieval counts).")] = "text:shakespeare",
     samples: Annotated[int, typer.Option(help="Held-out windows.")] = 1,

@@ -71,7 +71,7 @@ def test_duo_streams_the_most_streamable_heads_first():
 def test_hybrid_models_keep_their_windows_in_every_baseline():
     types = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
     info = _info(layer_types=types, window=512)
-    for point in bl.baseline_points(info, 2048, ["ashape", "dense", "triangle"], [0.5]):
+    for point in bl.baseline_points(info, 2048, ["streaming", "dense", "trianglemix"], [0.5]):
         window_rows = [r for r in point.rows if r["layer"] in (0, 2)]
         assert len(window_rows) == 2 * info.num_kv_heads and all(r["local"] == 512 and r["sink"] == 0 for r in window_rows)
 
@@ -83,8 +83,8 @@ def test_budgets_outside_zero_one_are_refused(bad):
 
 
 def test_unknown_family_is_refused_by_name():
-    with pytest.raises(ValueError, match="'streamingllm'.*known: ashape"):
-        bl.check_families(["ashape", "streamingllm"])
+    with pytest.raises(ValueError, match="'ashape'.*known: streaming"):
+        bl.check_families(["streaming", "ashape"])
 
 
 # ---- cost ---------------------------------------------------------------------------------------------
@@ -142,13 +142,13 @@ def test_a_run_on_a_tiny_model_writes_rows_report_and_plot(tiny_dir, tmp_path):
     from sparsesearch.pareto import ParetoConfig, pareto
 
     out = tmp_path / "report"
-    cfg = ParetoConfig(model=tiny_dir, baselines=["ashape", "block_topk", "duo", "dense"], budgets=[0.3, 0.6], tokens=256,
+    cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "topk", "duo", "dense"], budgets=[0.3, 0.6], tokens=256,
                        out=out, device="cpu", dtype="float32")
     report = pareto(cfg)
     rows = {r["label"]: r for r in report["rows"]}
     assert rows["dense"]["kl"] == pytest.approx(0.0, abs=1e-9) and rows["dense"]["cost_fraction"] == pytest.approx(1.0)
     cheap = [r for r in report["rows"] if r["family"] != "dense"]
-    assert all(0 < r["cost_fraction"] < 1 for r in cheap if r["family"] in ("ashape", "block_topk"))
+    assert all(0 < r["cost_fraction"] < 1 for r in cheap if r["family"] in ("streaming", "topk"))
     assert all(r["kl"] > 0 for r in cheap if r["cost_fraction"] < 0.9)  # a random model notices lost keys
     assert {p.name for p in out.iterdir()} == {"pareto.parquet", "pareto.json", "pareto.png"}
     assert not (tmp_path / "report.partial").exists()
@@ -159,7 +159,7 @@ def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):
     from sparsesearch.pareto import ParetoConfig, pareto, run
 
     out = tmp_path / "r"
-    cfg = ParetoConfig(model=tiny_dir, baselines=["ashape", "dense"], budgets=[0.3], tokens=256, out=out, device="cpu", dtype="float32")
+    cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "dense"], budgets=[0.3], tokens=256, out=out, device="cpu", dtype="float32")
     calls = []
     real = run.quality
 
@@ -187,7 +187,7 @@ def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):
 # ---- bad input: exit 2, one line, before any weights load, nothing written ---------------------------
 
 @pytest.mark.parametrize("args, message", [
-    (["--baselines", "ashape,streamingllm"], "unknown baseline 'streamingllm'"),
+    (["--baselines", "streaming,ashape"], "unknown baseline 'ashape'"),
     (["--budgets", "0.5,0"], "(0, 1]"),
     (["--budgets", "0.5,2"], "(0, 1]"),
     (["--budgets", "half"], "comma-separated numbers"),

@@ -82,3 +82,8 @@ def test_no_module_outside_the_patterns_keeps_a_pattern_list():
     files = [p for d in ("sparsesearch", "cli") for p in (ROOT / d).rglob("*.py") if "patterns" not in p.relative_to(ROOT).parts]
     offenders = {str(p.relative_to(ROOT)): lines for p in files if (lines := _pattern_lists(p))}
     assert not offenders, f"per-pattern lists outside patterns/ (read the registry's facts instead): {offenders}"
+
+
+def test_every_pattern_has_a_short_unique_label():
+    labels = [m.LABEL for m in REGISTRY.values()]
+    assert all(isinstance(label, str) and 0 < len(label) <= 7 for label in labels) and len(set(labels)) == len(labels)

@@ -6,11 +6,11 @@ every artifact). Static families pick the parameter whose exact density (the pat
 the evaluated length, block granularity) is nearest b; dynamic families scale a shape to the length and
 their real density is what the cost step measures on the held-out windows, never this nominal budget.
 
-- ``ashape``: StreamingLLM — a 64-token sink and the local window whose density is nearest b.
-- ``vertical_slash``: MInference's one setting for every head; ``minference`` is its shipped default
+- ``streaming``: StreamingLLM — a 64-token sink and the local window whose density is nearest b.
+- ``minference``: MInference's one vertical-slash setting for every head; ``minference`` is its shipped default
   (1000 verticals, 6096 slashes) at any length, the budgets split b·n lines in that ratio.
-- ``block_topk``: FlashPrefill / XAttention style, one sink block and the k of 64-blocks nearest b.
-- ``triangle``: TriangleMix alone, dense below the start layer (the probed one when known, else the start
+- ``topk``: block top-k, FlashPrefill / XAttention style, one sink block and the k of 64-blocks nearest b.
+- ``trianglemix``: TriangleMix alone, dense below the start layer (the probed one when known, else the start
   whose layer mix costs b with the triangle's own density).
 - ``duo``: DuoAttention-style, a share of heads streaming (sink 64, local 256), the rest dense; the
   streaming heads are those whose A-shape output error on a calibration window is lowest (the role
@@ -31,7 +31,9 @@ from ..patterns.triangle import TriangleParams
 from ..patterns.vertical_slash import VerticalSlashParams
 
 BLOCK = 64  # block_m = block_n of every baseline row: the runtime's and the bundled search space's
-FAMILIES = ("ashape", "vertical_slash", "block_topk", "triangle", "duo", "dense")
+# Named after the method each one-size config stands for (not the pattern it runs: a family is a config, and
+# the pattern names belong to the registry).
+FAMILIES = ("streaming", "minference", "topk", "trianglemix", "duo", "dense")
 DEFAULT_BUDGETS = (0.3, 0.5, 0.7)
 SINK = 64  # StreamingLLM's sink (one block)
 MINFERENCE_DEFAULT = (1000, 6096)  # vertical_size, slash_size of MInference's shipped config, every head
@@ -113,7 +115,7 @@ def ashape_point(info, tokens: int, budget: float) -> Point:
     locals_ = [BLOCK * i for i in range(1, max(2, math.ceil(tokens / BLOCK)) + 1)]
     dens = lambda local: ashape.density(AShapeParams(sink=SINK, local=local), tokens, block_m=BLOCK, block_n=BLOCK)  # noqa: E731
     local = nearest(locals_, dens, budget)
-    return uniform(info, tokens, "ashape", f"ashape {SINK}/{local}", budget, AShapeParams(sink=SINK, local=local),
+    return uniform(info, tokens, "streaming", f"ashape {SINK}/{local}", budget, AShapeParams(sink=SINK, local=local),
                    f"sink {SINK}, local {local} (density {dens(local):.3f})")
 
 
@@ -121,7 +123,7 @@ def block_topk_point(info, tokens: int, budget: float) -> Point:
     blocks = max(1, math.ceil(tokens / BLOCK))
     dens = lambda k: block_topk.density(BlockTopKParams(k_blocks=k, sink_blocks=1), tokens, block_m=BLOCK, block_n=BLOCK)  # noqa: E731
     k = nearest(list(range(0, blocks + 1)), dens, budget)
-    return uniform(info, tokens, "block_topk", f"topk {k}", budget, BlockTopKParams(k_blocks=k, sink_blocks=1),
+    return uniform(info, tokens, "topk", f"topk {k}", budget, BlockTopKParams(k_blocks=k, sink_blocks=1),
                    f"top {k} of {blocks} key blocks + 1 sink block (density {dens(k):.3f})")
 
 
@@ -129,12 +131,12 @@ def vertical_slash_point(info, tokens: int, budget: float | None) -> Point:
     """budget None: MInference's shipped default; else b·n lines split 1000 : 6096 (at least one each)."""
     if budget is None:
         v, s = MINFERENCE_DEFAULT
-        return uniform(info, tokens, "vertical_slash", f"vs {v}/{s}", None, VerticalSlashParams(vertical_size=v, slash_size=s),
+        return uniform(info, tokens, "minference", f"vs {v}/{s}", None, VerticalSlashParams(vertical_size=v, slash_size=s),
                        f"MInference default: {v} verticals, {s} slashes")
     lines = budget * tokens
     v = max(1, round(lines * MINFERENCE_DEFAULT[0] / sum(MINFERENCE_DEFAULT)))
     s = max(1, round(lines * MINFERENCE_DEFAULT[1] / sum(MINFERENCE_DEFAULT)))
-    return uniform(info, tokens, "vertical_slash", f"vs {v}/{s}", budget, VerticalSlashParams(vertical_size=v, slash_size=s),
+    return uniform(info, tokens, "minference", f"vs {v}/{s}", budget, VerticalSlashParams(vertical_size=v, slash_size=s),
                    f"{v} verticals, {s} slashes (MInference's ratio at {budget:g} of the length)")
 
 
@@ -151,7 +153,7 @@ def triangle_start(info, tokens: int, budget: float) -> int:
 def triangle_point(info, tokens: int, start: int, budget: float | None, how: str) -> Point:
     tri = {"start_layer": int(start), "sink": TRIANGLE.sink, "window": TRIANGLE.window, "last": TRIANGLE.last}
     manifest = _manifest(info, f"pareto baseline triangle from layer {start}", {"trianglemix": tri})
-    return Point("triangle", f"triangle L{start}", budget, f"TriangleMix from layer {start} ({how}), dense below",
+    return Point("trianglemix", f"triangle L{start}", budget, f"TriangleMix from layer {start} ({how}), dense below",
                  manifest, _sliding(info, tokens))
 
 
@@ -178,9 +180,9 @@ def baseline_points(info, tokens: int, families: list[str], budgets: list[float]
     for family in [f for f in FAMILIES if f in families]:
         if family == "dense":
             points.append(dense_point(info, tokens))
-        elif family == "vertical_slash":
+        elif family == "minference":
             points += [vertical_slash_point(info, tokens, None)] + [vertical_slash_point(info, tokens, b) for b in budgets]
-        elif family == "triangle":
+        elif family == "trianglemix":
             starts = {triangle_start(info, tokens, b): b for b in budgets}
             points += [triangle_point(info, tokens, s, b, f"budget {b:g}") for s, b in starts.items()]
             if triangle_probed is not None and triangle_probed not in starts:
@@ -189,9 +191,10 @@ def baseline_points(info, tokens: int, families: list[str], budgets: list[float]
             if stream_order is None:
                 raise ValueError("the duo baseline needs the heads ranked by streaming error (stream_order)")
             points += [duo_point(info, tokens, b, stream_order) for b in budgets]
-        else:
-            make = {"ashape": ashape_point, "block_topk": block_topk_point}[family]
-            points += [make(info, tokens, b) for b in budgets]
+        elif family == "streaming":
+            points += [ashape_point(info, tokens, b) for b in budgets]
+        else:  # topk
+            points += [block_topk_point(info, tokens, b) for b in budgets]
     return _unique(points)
 
 

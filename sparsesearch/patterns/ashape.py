@@ -45,6 +45,7 @@ DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len
 REGION = True  # build_index takes a permuted region frame (row_pos)
 STREAMING = True  # attention sinks + a recent window only (a DuoAttention streaming head)
 COLOR = "#1f77b4"  # heads map (report/heads_map.py)
+LABEL = "A-shp"  # its column header in tables that fit 80 columns (inspect)
 
 
 def demo_params(tokens: int) -> AShapeParams:

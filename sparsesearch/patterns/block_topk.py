@@ -56,6 +56,7 @@ DYNAMIC = True  # index estimated from q/k at run time: build_index(params, q, k
 REGION = True  # build_index takes a permuted region frame (row_pos)
 STREAMING = False  # keeps keys beyond sinks + a recent window
 COLOR = "#2ca02c"  # heads map (report/heads_map.py)
+LABEL = "topk"  # its column header in tables that fit 80 columns (inspect)
 
 
 def demo_params(tokens: int) -> BlockTopKParams:

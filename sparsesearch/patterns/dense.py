@@ -31,6 +31,7 @@ DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len
 REGION = True  # build_index takes a permuted region frame (row_pos)
 STREAMING = False  # keeps keys beyond sinks + a recent window
 COLOR = "#4d4d4d"  # heads map (report/heads_map.py)
+LABEL = "dense"  # its column header in tables that fit 80 columns (inspect)
 
 
 def demo_params(tokens: int) -> DenseParams:

@@ -66,6 +66,7 @@ DYNAMIC = False
 REGION = False  # no region form: intra-modality (identity frame) only
 STREAMING = False  # keeps keys beyond sinks + a recent window
 COLOR = "#9467bd"  # heads map (report/heads_map.py)
+LABEL = "grid"  # its column header in tables that fit 80 columns (inspect)
 
 
 def demo_params(tokens: int) -> GridParams:

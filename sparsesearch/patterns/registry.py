@@ -12,6 +12,7 @@ A pattern module declares, besides its params dataclass, predicate, ``build_inde
 * ``REGION``: True when ``build_index`` takes a permuted modality region's frame (``row_pos``);
 * ``STREAMING``: True when it keeps only attention sinks and a recent window (DuoAttention streaming heads);
 * ``COLOR``: its colour in the heads map;
+* ``LABEL``: its short column header in tables (at most 7 characters, so a table per pattern fits 80 columns);
 * ``demo_params(tokens)``: parameters that make it sparse but not empty at that length (``sparsesearch check``).
 
 Consumers (execute, runtime, search, export, selfcheck, report, artifacts) read these facts here and keep
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from . import ashape, block_topk, dense, grid, triangle, vertical_slash
 
-FACTS = ("NAME", "Params", "DYNAMIC", "REGION", "STREAMING", "COLOR", "demo_params")
+FACTS = ("NAME", "Params", "DYNAMIC", "REGION", "STREAMING", "COLOR", "LABEL", "demo_params")
 REGISTRY = {m.NAME: m for m in (dense, ashape, triangle, vertical_slash, block_topk, grid)}
 PARAMS = {name: m.Params for name, m in REGISTRY.items()}
 

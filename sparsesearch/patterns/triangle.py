@@ -56,6 +56,7 @@ DYNAMIC = False  # index from the shape alone: build_index(params, q_len, kv_len
 REGION = False  # no region form: intra-modality (identity frame) only
 STREAMING = True  # attention sinks + a recent window only (a DuoAttention streaming head)
 COLOR = "#8c564b"  # heads map (report/heads_map.py)
+LABEL = "tri"  # its column header in tables that fit 80 columns (inspect)
 # block_m = block_n of a TriangleMix layer's streaming index in the runtime (the artifact does not store
 # one). H200, 32/8 heads, d 128, sink 64 / window 512 / last 128: 64-blocks cover the band with less
 # waste than 128 and ran 1.2-1.3x faster at 32K-128K (benchmarks/RESULTS.md, session 10).

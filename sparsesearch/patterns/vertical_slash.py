@@ -89,6 +89,7 @@ DYNAMIC = True  # index estimated from q/k at run time: build_index(params, q, k
 REGION = True  # build_index takes a permuted region frame (row_pos)
 STREAMING = False  # keeps keys beyond sinks + a recent window
 COLOR = "#ff7f0e"  # heads map (report/heads_map.py)
+LABEL = "v-slash"  # its column header in tables that fit 80 columns (inspect)
 
 
 def demo_params(tokens: int) -> VerticalSlashParams:

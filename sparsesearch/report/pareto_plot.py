@@ -10,8 +10,8 @@ from ..pareto.dominance import frontier
 from . import save_png
 
 STYLE = {  # family -> (colour, marker)
-    "searched": ("tab:red", "*"), "ashape": ("tab:blue", "o"), "vertical_slash": ("tab:green", "s"),
-    "block_topk": ("tab:orange", "D"), "triangle": ("tab:purple", "^"), "duo": ("tab:brown", "v"), "dense": ("black", "X"),
+    "searched": ("tab:red", "*"), "streaming": ("tab:blue", "o"), "minference": ("tab:green", "s"),
+    "topk": ("tab:orange", "D"), "trianglemix": ("tab:purple", "^"), "duo": ("tab:brown", "v"), "dense": ("black", "X"),
 }
 KL_FLOOR = 1e-6  # dense's KL 0 drawn here on the log axis
 
