@@ -26,6 +26,7 @@ from sparsesearch.probe.probe import ProbeSettings
 from sparsesearch.probe.run import ProbeConfig, run_probe
 from sparsesearch.workdir import WorkDir, partial_path
 from sparsesearch_cli.app import app
+from processes import descendants
 from tiny_model import make_tiny_model
 
 runner = CliRunner()
@@ -88,24 +89,13 @@ def _kill_at_random_point(cmd: list[str], unit_dir: Path, units: int, seed: int)
             assert time.monotonic() < deadline, f"fewer than {at} unit files within 240 s"
             time.sleep(0.02)
     finally:
-        for pid in [proc.pid, *_descendants(proc.pid)]:
+        for pid in [proc.pid, *descendants(proc.pid)]:
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
         proc.wait(30)
     return proc.returncode
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (over all its threads' children, as /proc lists them)."""
-    kids = []
-    for path in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids += [int(p) for p in path.read_text().split()]
-        except FileNotFoundError:
-            pass
-    return kids + [d for k in kids for d in _descendants(k)]
 
 
 # ------------------------------------------------------------------------------------------ probe-layers

@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from processes import descendants
 from sparsesearch.spava.orphan import LAUNCHER_ENV, alive
 
 RANK = """
@@ -58,20 +61,7 @@ def test_only_rank_0_removes_and_only_a_launcher_directory(tmp_path):
     assert rank.returncode == 1 and other.exists()  # not named like launch.py's temporary: kept
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, as /proc lists each thread's children."""
-    from pathlib import Path
-
-    kids = []
-    for path in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids += [int(p) for p in path.read_text().split()]
-        except FileNotFoundError:
-            pass
-    return kids + [k for kid in kids for k in _descendants(kid)]
-
-
-@__import__("pytest").mark.slow
+@pytest.mark.slow
 def test_spava_run_killed_outright_leaves_no_rank_and_no_temporary_and_reruns_the_same(tmp_path):
     """`spava run`'s CLI SIGKILLed mid-launch (as `kill -9` would: the CLI alone): torchrun and its ranks end
     within seconds and the launcher's spava-* directory goes; a rerun gives the uninterrupted run's values."""
@@ -92,10 +82,10 @@ def test_spava_run_killed_outright_leaves_no_rank_and_no_temporary_and_reruns_th
     assert ref.returncode == 0, ref.stderr
     proc = subprocess.Popen([sys.executable, *cli], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not list(temp.glob("spava-*/ranks.log")) or len(_descendants(proc.pid)) < 3:  # torchrun + 2 ranks
+    while not list(temp.glob("spava-*/ranks.log")) or len(descendants(proc.pid)) < 3:  # torchrun + 2 ranks
         assert proc.poll() is None and time.monotonic() < deadline, "the launch ended before the kill"
         time.sleep(0.05)
-    below = _descendants(proc.pid)
+    below = descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 20
