@@ -43,6 +43,11 @@ def cost_at(curve: list[tuple[float, float]], kl: float) -> float | None:
     return None
 
 
+def searched_frontier(rows: list[dict]) -> list[list[float]]:
+    """[cost, KL] of the searched points' frontier (without the dense anchor): the line a plot draws."""
+    return [[c, k] for c, k in frontier([(r["cost_fraction"], r["kl"]) for r in rows if r["searched"] and r["kl"] is not None])]
+
+
 def verdicts(rows: list[dict]) -> list[dict]:
     """Per baseline row (dense excluded): the searched curve's KL at its cost and cost at its KL, the two
     ratios and the verdict ("beaten", "not beaten", "out of range", or "no searched points")."""

@@ -240,7 +240,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     it already. Returns the report: settings, rows, verdicts, and the files written."""
     from ..fidelity import held_out_reference
     from ..models import load_model
-    from .dominance import verdicts
+    from .dominance import searched_frontier, verdicts
 
     progress = progress or Progress()
     info, artifacts = checked or preflight(cfg)
@@ -267,6 +267,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
         "model": info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed,
         "device": str(next(model.parameters()).device), "cost_model": costs[0]["cost_model"] if costs else None,
         "seconds": round(time.perf_counter() - started, 1), "rows": rows, "verdicts": verdicts(rows),
+        "searched_frontier": searched_frontier(rows),
     }
     if cfg.out is not None:
         progress.stage("writing report")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..pareto.dominance import frontier
 from . import save_png
 
 STYLE = {  # family -> (colour, marker)
@@ -30,7 +29,7 @@ def draw_pareto(report: dict, info, path: Path) -> Path:
         xs, ys = [r["cost_fraction"] for r in mine], [max(KL_FLOOR, r["kl"]) for r in mine]
         if family == "searched":  # separate artifacts: their frontier (the verdicts' curve) is the line
             ax.scatter(xs, ys, marker=marker, color=colour, s=110, zorder=3, label="searched artifacts")
-            curve = frontier(list(zip(xs, [r["kl"] for r in mine])))
+            curve = report.get("searched_frontier") or []  # pareto/dominance.py; absent from reports before it
             ax.plot([c for c, _ in curve], [max(KL_FLOOR, k) for _, k in curve], color=colour, linewidth=2.2, label="searched frontier")
         else:
             ax.plot(xs, ys, marker=marker, color=colour, linewidth=1.2, markersize=6, label=family)
