@@ -34,7 +34,7 @@ def pareto(
     seed: Annotated[int, typer.Option(help="Seed of the held-out windows.")] = 0,
     triangle_start: Annotated[Optional[int], typer.Option(help="Probed TriangleMix start layer (default: an artifact's own, if any).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto.json and pareto.png.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.partial/).")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.pareto.partial/).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a report already at --out.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     device: DeviceOpt = "auto",
@@ -53,9 +53,10 @@ def pareto(
                        overwrite=overwrite, resume=resume, device=device, dtype=dtype)
     if out is not None:  # a report directory of its own: never an --artifact, the data or the model's files
         from sparsesearch import preflight as check
+        from sparsesearch.workdir import partial_path
 
         check.output_path("--out", out, reads={"--artifact": list(artifact or []), "--data": data}, model=model,
-                          beside=[out.with_name(out.name + ".partial")])
+                          beside=[partial_path(out, "pareto")])
     checked = preflight(cfg)  # bad input: one line, before any weights load
     with RunProgress(transient=json_out) as display:
         report = run(cfg, _progress(display), checked=checked)

@@ -15,6 +15,7 @@ from sparsesearch.pareto.cost import analytic_layer
 from sparsesearch.pareto.dominance import COST_RATIO, KL_RATIO, cost_at, frontier, kl_at, verdicts
 from sparsesearch.patterns import ashape, block_topk
 from sparsesearch.runtime.plan import build_plan
+from sparsesearch.workdir import partial_path
 from tiny_model import make_tiny_model
 
 
@@ -151,7 +152,7 @@ def test_a_run_on_a_tiny_model_writes_rows_report_and_plot(tiny_dir, tmp_path):
     assert all(0 < r["cost_fraction"] < 1 for r in cheap if r["family"] in ("streaming", "topk"))
     assert all(r["kl"] > 0 for r in cheap if r["cost_fraction"] < 0.9)  # a random model notices lost keys
     assert {p.name for p in out.iterdir()} == {"pareto.parquet", "pareto.json", "pareto.png"}
-    assert not (tmp_path / "report.partial").exists()
+    assert not partial_path(out, "pareto").exists()
     assert json.loads((out / "pareto.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
 
 
@@ -172,7 +173,7 @@ def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(run, "quality", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
         pareto(cfg)
-    assert len(list((tmp_path / "r.partial").glob("*.json"))) == 2  # state + the finished point
+    assert len(list(partial_path(out, "pareto").glob("*.json"))) == 2  # state + the finished point
     monkeypatch.setattr(run, "quality", real)
     evaluated = []
     import sparsesearch.fidelity as fidelity

@@ -11,15 +11,13 @@ artifact, every baseline family at every budget, pareto/baselines.py):
 Then the verdict per baseline point (pareto/dominance.py) and the files: rows (Parquet), report (JSON), a
 PNG of KL vs cost with one line per family.
 
-Resume: each point's quality is kept in ``OUT.partial/`` under a key of the run's settings and the point's
-own rows, so a killed run re-measures only the points it had not finished.
+Resume: each point's quality is a unit of ``OUT.pareto.partial/`` (sparsesearch/workdir.py: fingerprinted by
+the run's settings, named by the point's own rows), so a killed run re-measures only the points it had not
+finished.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,38 +168,28 @@ def measure_costs(model, info, points: list[Point], reference) -> list[dict]:
              "attention_ms": round(s, 4), "dense_attention_ms": round(d, 4)} for s, d, ds, n in sums]
 
 
-def read_json_if_valid(path: Path) -> dict | None:
-    """A kept JSON object, or None when it is missing or not whole (a run killed mid-write of an older
-    version; our own writes are whole or absent)."""
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
+def _settings(cfg: ParetoConfig, info) -> dict:
+    """What a point's quality depends on besides the point itself: the work directory's fingerprint."""
+    return {"model": info.revision or info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed}
 
 
-def _fingerprint(cfg: ParetoConfig, info) -> str:
-    settings = {"model": info.revision or info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+def _point_key(point: Point) -> str:
+    """A unit name for what the point runs (its rows and methods), not its label."""
+    from ..workdir import fingerprint
+
+    return fingerprint({"rows": point.rows, "methods": point.manifest.get("methods")})[:24]
 
 
-def _point_key(fingerprint: str, point: Point) -> str:
-    """The run's settings and what the point runs (its rows and methods), not its label."""
-    body = {"rows": point.rows, "methods": point.manifest.get("methods"), "run": fingerprint}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def quality(model, tokenizer, point: Point, reference, work: Path | None, key: str) -> dict:
-    """``evaluate_against`` for the point (every length sparse), read from / kept in ``work`` by key."""
-    from ..files import write_json_atomic
+def quality(model, tokenizer, point: Point, reference, work, key: str) -> dict:
+    """``evaluate_against`` for the point (every length sparse), read from / kept in ``work`` (a
+    workdir.WorkDir, or None without --out) as unit ``key``."""
     from ..fidelity import evaluate_against
 
-    cached = work / f"{key}.json" if work is not None else None
-    if cached is not None and (found := read_json_if_valid(cached)) is not None:
-        return found
+    if work is not None and work.done(key):
+        return work.load(key)
     result = evaluate_against(model, tokenizer, point.manifest, point.rows, reference, min_tokens=1)
-    if cached is not None:
-        write_json_atomic(cached, result, sort_keys=True)
+    if work is not None:
+        work.save(key, result)
     return result
 
 
@@ -218,28 +206,12 @@ def point_row(point: Point, cost: dict, fid: dict) -> dict:
     }
 
 
-def _work_dir(cfg: ParetoConfig, fingerprint: str) -> Path | None:
-    """OUT.partial/ (kept until the report is written); without --resume any old one is dropped."""
-    if cfg.out is None:
-        return None
-    from ..files import write_json_atomic
-
-    work = cfg.out.with_name(cfg.out.name + ".partial")
-    state = read_json_if_valid(work / "state.json") if work.is_dir() else None
-    if cfg.resume and state is not None and state.get("fingerprint") != fingerprint:
-        raise ValueError(f"--resume: {work} was started with other settings (model, data, samples, tokens or seed); drop --resume to start over")
-    if not cfg.resume and work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(work / "state.json", {"fingerprint": fingerprint}, sort_keys=True)
-    return work
-
-
 def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None) -> dict:
     """Run the comparison (module docstring). checked: what ``preflight(cfg)`` returned when the caller ran
     it already. Returns the report: settings, rows, verdicts, and the files written."""
     from ..fidelity import held_out_reference
     from ..models import load_model
+    from ..workdir import WorkDir
     from .dominance import searched_frontier, verdicts
 
     progress = progress or Progress()
@@ -257,12 +229,11 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     points += baseline_points(info, cfg.tokens, cfg.baselines, cfg.budgets, triangle_probed=probed_start(cfg, artifacts), stream_order=order)
     progress.stage(f"attention cost of {len(points)} points")
     costs = measure_costs(model, info, points, reference)
-    fingerprint = _fingerprint(cfg, info)
-    work = _work_dir(cfg, fingerprint)
+    work = None if cfg.out is None else WorkDir.open(cfg.out, "pareto", _settings(cfg, info), resume=cfg.resume)
     rows = []
     for i, (point, cost) in enumerate(zip(points, costs)):
         progress.point(i, len(points), point.label)
-        rows.append(point_row(point, cost, quality(model, tokenizer, point, reference, work, _point_key(fingerprint, point))))
+        rows.append(point_row(point, cost, quality(model, tokenizer, point, reference, work, _point_key(point))))
     report = {
         "model": info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed,
         "device": str(next(model.parameters()).device), "cost_model": costs[0]["cost_model"] if costs else None,
@@ -272,7 +243,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     if cfg.out is not None:
         progress.stage("writing report")
         report["files"] = write_report(cfg.out, report, info)
-        shutil.rmtree(work, ignore_errors=True)
+        work.remove()
     return report
 
 
