@@ -99,7 +99,10 @@ def save_stack(shape: str, tokenizer_dir: str, out: str, max_tokens: int) -> Non
     config = stack_config(shape, max_tokens)
     config.vocab_size = len(tok)  # the tokenizer's ids must all exist
     torch.manual_seed(0)
-    causal_lm(config).to(torch.bfloat16).save_pretrained(out)
+    # built on a GPU when there is one: an 8B stack's random init takes minutes on host cores
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = causal_lm(config).to(torch.bfloat16)
+    model.save_pretrained(out)
     tok.save_pretrained(out)
 
 

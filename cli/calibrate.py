@@ -37,6 +37,9 @@ def calibrate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already at --out.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
     device: DeviceOpt = "auto",
+    gpus: Annotated[int, typer.Option(help="Search workers, one process per GPU (cuda:0..N-1): the capture hands each layer to the next free one. 1: searched in-process.")] = 1,
+    device_map: Annotated[Optional[str], typer.Option(help="Split the model over the host's GPUs for the capture (a model one GPU cannot hold): auto, balanced, balanced_low_0, sequential, or a JSON file of {module: GPU index}.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option(help="With --device-map: memory per GPU for the weights, e.g. '0=20GiB,1=20GiB'.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Search the sparse pattern of every layer and head and write it as an artifact.
@@ -45,15 +48,19 @@ def calibrate(
     picks each head's boundary type (none/K/Q/2D); text-only data searches the global pattern alone.
 
     Example: sparsesearch calibrate --model smollm2-135m --max-tokens 4096 --out artifacts/smollm2-135m
+
+    Past one GPU: --device-map balanced splits the model for the capture, --gpus N spreads the per-layer searches.
     """
     from sparsesearch.artifacts.summary import effective_densities
     from sparsesearch.calibrate import CalibrateConfig, Progress as Hooks, calibrate as run, preflight
+    from sparsesearch.models.split import parse_max_memory, read_device_map
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
-                          latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples)
+                          latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples, gpus=gpus,
+                          device_map=read_device_map(device_map), max_memory=parse_max_memory(max_memory))
     from sparsesearch import preflight as check
 
     # Shared guards first: an --out that would land on an input, a file that cannot be parsed, a length past the

@@ -10,6 +10,11 @@ layer gets the model's own window as its rows (columns.window_row: ashape sink 0
 density computed at the calibration length, nothing measured) and ``methods.mminference.sliding_layers``
 says so. Skipping the search there is the point: 15 of Gemma 3 270M's 18 layers cost nothing.
 
+More than one GPU (``gpus`` > 1): the capture feeds each layer's q/k/v to one search worker per GPU
+(search/spread.py) instead of searching inside the forward; the workers write the same per-layer files, so the
+artifact is the same. ``device_map`` / ``max_memory`` split a model one GPU cannot hold for the capture
+(models/split.py). Scaling to more GPUs and hosts: docs/mminference.md.
+
 Resume: ``OUT.partial/state.json`` fingerprints the run (model revision, data hash, search space hash,
 settings); per (sample, layer) score files are skipped on ``resume=True``, so a killed run loses at most
 the layer in progress and ends with the same artifact (scores round-trip exactly through JSON).
@@ -17,6 +22,7 @@ the layer in progress and ends with the same artifact (scores round-trip exactly
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -34,7 +40,9 @@ from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, wi
 from .artifacts.summary import effective_densities
 from .files import write_json_atomic
 from .patterns import PARAMS
+from .models.split import check_gpus, check_split
 from .search.cost import cost_model_for
+from .search.spread import Spread
 from .patterns.dense import DenseParams
 from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_candidate, score_layer
 from .patterns.boundary import BOUNDARIES, scope_name, split_scope
@@ -78,6 +86,10 @@ class CalibrateConfig:
     tune_samples: int = 2  # --target-kl: calibration-stream prompts the KL is measured on (after the searched ones)
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
+    gpus: int = 1  # search workers, one per GPU (search/spread.py); 1: searched in-process, inside the forward
+    device_map: str | dict | None = None  # the model split for the capture (models/split.py); None: on one device
+    max_memory: dict | None = None  # {GPU index | "cpu": "20GiB"} bounding the device_map split
+    search_devices: tuple[str, ...] | None = None  # the workers' devices when not cuda:0..gpus-1 (tests: CPU workers)
 
 
 @dataclass
@@ -124,6 +136,14 @@ def check_config(cfg: CalibrateConfig) -> None:
         check_target(kind, value)
     if cfg.allow_miss and not given:
         raise ValueError("--allow-miss needs a target (--target-kl, --max-output-error or --latency-budget)")
+    check_gpus(cfg.gpus)
+
+
+def search_devices(cfg: CalibrateConfig) -> list[str]:
+    """The search workers' devices; [] when the search runs in-process (one GPU, or the CPU)."""
+    if cfg.search_devices is not None:
+        return list(cfg.search_devices)
+    return [f"cuda:{i}" for i in range(cfg.gpus)] if cfg.gpus > 1 else []
 
 
 def _targets(cfg: CalibrateConfig) -> dict[str, float | None]:
@@ -148,6 +168,12 @@ def preflight(cfg: CalibrateConfig):
     info = check.model_info(cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=cfg.dtype, device=cfg.device)
     check.tokens_fit("--max-tokens", cfg.max_tokens, info)
     check.tokens_fit("--eval-tokens", cfg.eval_tokens, info)
+    if cfg.device_map is not None or cfg.max_memory is not None:
+        from .models.load import _choose_dtype, check_load_options
+        from .models.resolve import resolve
+
+        resolved = resolve(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        check_split(resolved, cfg.device_map, cfg.max_memory, _choose_dtype(cfg.dtype, check_load_options(cfg.dtype, cfg.device), resolved))
     check.data("--data", cfg.data, tokens=cfg.max_tokens)
     for spec in eval_specs(cfg.eval_data) if cfg.eval_samples else []:
         check.data("--eval-data", spec, tokens=cfg.eval_tokens or cfg.max_tokens, held_out=True)
@@ -251,29 +277,65 @@ def _layer_done(work: Path, si: int, layer: int, modal: bool) -> bool:
     return (_boundary_path(work, si, layer) if modal else _scope_path(work, si, layer, GLOBAL)).is_file()
 
 
-def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress):
-    """The capture callback of one sample: search each layer in ``todo`` as its QKV arrive and write the
-    results at once (a text sample: one global scope; a multi-modal one: every region of Alg. 4 and the
-    boundary scores)."""
+def search_layer(cfg: CalibrateConfig, work: Path, si: int, layer: int, q, k, v, scale: float | None, present: list[str],
+                 frame_stride, modality, space, costs) -> None:
+    """Search one captured layer of sample ``si`` and write its files (a text sample: one global scope; a
+    multi-modal one: every region of Alg. 4 and the boundary scores). q [1, Hq, N, D], k/v [1, Hkv, N, D] on
+    the device the search runs on; modality [N] long or None."""
+    if len(present) < 2:
+        scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
+                                        frame_stride=frame_stride, scale=scale, prune=_prunes(cfg))
+        dense = dense_cost(q, k, v, space, costs, cfg.head_space, scale)
+        _write_json(_scope_path(work, si, layer, GLOBAL), _scored_to_json(scored, budget, t, dense))
+        return
+    cached = {scope: ScopeResult(*_scored_from_json(json.loads(path.read_text())))
+              for scope, path in _scope_files(work, si, layer).items()}
+    save = lambda scope, res: _write_json(_scope_path(work, si, layer, scope), _scored_to_json(res.scored, res.budget, res.timings))
+    _, scores = search_modal_layer(q, k, v, modality.to(q.device), MODALITY_NAMES, space, costs, head_space=cfg.head_space,
+                                   objective=cfg.objective, frame_stride=frame_stride, scale=scale, cached=cached, on_scope=save)
+    _write_json(_boundary_path(work, si, layer), scores)
+
+
+@dataclass
+class _WorkerState:
+    """A search worker's (search/spread.py): the space and its own cost model on its device."""
+
+    space: object
+    costs: object
+    device: str
+
+    def close(self) -> dict:
+        """Flush measured times into the shared cost cache (merged under its lock) and count the launches."""
+        if self.costs.kind != "measured":
+            return {}
+        self.costs.flush()
+        return {"timed": self.costs.timed, "priced_from_table": self.costs.priced}
+
+
+def _worker_setup(device: str, space) -> _WorkerState:
+    return _WorkerState(space, cost_model_for(device), device)
+
+
+def _worker_search(state: _WorkerState, cfg, work, si, layer, q, k, v, scale, present, frame_stride, modality) -> None:
+    d = state.device
+    search_layer(cfg, work, si, layer, q.to(d), k.to(d), v.to(d), scale, present, frame_stride, modality, state.space, state.costs)
+
+
+def _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread=None):
+    """The capture callback of one sample: each layer in ``todo`` searched as its QKV arrive (search_layer),
+    or, with a ``spread`` of workers, handed to them (the CPU copies) while the forward goes on."""
     frame_stride = sample.meta.get("frame_stride")
+    modality = sample.modality if len(present) > 1 else None
 
     def on_layer(layer, cap) -> None:
         if cap.layer not in todo:
             return
-        q, k, v = cap.q.to(device), cap.k.to(device), cap.v.to(device)
-        if len(present) < 2:
-            scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
-                                            frame_stride=frame_stride, scale=cap.scale,
-                                            prune=_prunes(cfg))
-            dense = dense_cost(q, k, v, space, costs, cfg.head_space, cap.scale)
-            _write_json(_scope_path(work, si, cap.layer, GLOBAL), _scored_to_json(scored, budget, t, dense))
-        else:
-            cached = {scope: ScopeResult(*_scored_from_json(json.loads(path.read_text())))
-                      for scope, path in _scope_files(work, si, cap.layer).items()}
-            save = lambda scope, res: _write_json(_scope_path(work, si, cap.layer, scope), _scored_to_json(res.scored, res.budget, res.timings))
-            _, scores = search_modal_layer(q, k, v, sample.modality.to(device), MODALITY_NAMES, space, costs, head_space=cfg.head_space,
-                                           objective=cfg.objective, frame_stride=frame_stride, scale=cap.scale, cached=cached, on_scope=save)
-            _write_json(_boundary_path(work, si, cap.layer), scores)
+        if spread is not None:
+            spread.submit((si, cap.layer), cfg, work, si, cap.layer, cap.q.cpu(), cap.k.cpu(), cap.v.cpu(), cap.scale, present, frame_stride, modality)
+            spread.poll()
+            return
+        search_layer(cfg, work, si, cap.layer, cap.q.to(device), cap.k.to(device), cap.v.to(device), cap.scale, present,
+                     frame_stride, modality, space, costs)
         progress.layer(si, cap.layer, info.num_layers)
 
     return on_layer
@@ -495,7 +557,8 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     progress = progress or Progress()
     space = space or preflight(cfg)
     progress.stage("loading model")
-    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
+                                        device_map=cfg.device_map, max_memory=cfg.max_memory)
     if tokenizer is None:
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; calibration data needs one")
     if not info.global_layers:
@@ -515,21 +578,36 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     costs = cost_model_for(device)
     total = Timings()
     started = time.perf_counter()
-    for si, sample in enumerate(samples):
-        present = _modalities_present(sample)
-        todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
-        if not todo:
-            continue
-        on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress)
-        progress.stage(f"searching sample {si + 1}/{len(samples)}")
-        inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
-        capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=not device.startswith("cuda"), info=info)
+    workers = search_devices(cfg)
+    spread = Spread(workers, _worker_setup, (space,), _worker_search,
+                    on_done=lambda key, dev, s: progress.layer(key[0], key[1], info.num_layers)) if workers else None
+    with spread or contextlib.nullcontext():
+        for si, sample in enumerate(samples):
+            present = _modalities_present(sample)
+            todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
+            if not todo:
+                continue
+            on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread)
+            progress.stage(f"searching sample {si + 1}/{len(samples)}" + (f" on {len(workers)} workers" if workers else ""))
+            inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
+            capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=spread is not None or not device.startswith("cuda"), info=info)
+        reports = spread.finish() if spread else []
     search_s = time.perf_counter() - started
     launches = {}
     if costs.kind == "measured":  # the user cache now holds every time measured; a copy goes beside the artifact
         costs.flush()
+        if reports:  # the workers measured: this process's model reads the cache they merged into
+            costs = cost_model_for(device)
+            costs.timed = sum(r.closed.get("timed", 0) for r in reports)
+            costs.priced = sum(r.closed.get("priced_from_table", 0) for r in reports)
         costs.save_to(cfg.out.with_name(cfg.out.name + ".costs.json"))
         launches = {"cost_launches": {"timed": costs.timed, "priced_from_table": costs.priced}}
+    if reports:
+        launches["search_workers"] = [{"device": r.device, "layers": r.tasks, "busy_s": round(r.busy_s, 2),
+                                       "peak_memory_gib": round(r.peak_bytes / 2**30, 3)} for r in reports]
+    if cfg.device_map is not None:
+        launches["device_map"] = {"asked": cfg.device_map if isinstance(cfg.device_map, str) else "file",
+                                  "max_memory": cfg.max_memory, "placed": _placement(model)}
 
     rows, layer_errors, boundary_report, layer_stability = [], {}, {}, {}
     lengths = [int(s.input_ids.numel()) for s in samples]
@@ -624,6 +702,15 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
     return CalibrationResult(path, manifest, rows, timings, fidelity, png, notes=notes, curve_png=curve_png)
+
+
+def _placement(model) -> dict:
+    """Where accelerate put the model: {device: decoder layers on it} (from hf_device_map), peak memory per GPU."""
+    placed: dict = {}
+    for name, dev in (getattr(model, "hf_device_map", None) or {}).items():
+        placed.setdefault(str(dev), []).append(name)
+    peaks = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
+    return {"modules": {d: len(names) for d, names in placed.items()}, "main_process_peak_memory_gib": peaks}
 
 
 def resumed_note(work: Path) -> str:

@@ -24,6 +24,8 @@ def load_model(
     device: str = "auto",
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
 ):
     """Load ``spec`` (directory, hub id from the cache, .gguf file or ``smollm2-135m``) in eval mode.
 
@@ -31,7 +33,9 @@ def load_model(
     uses float32 on CPU; or one of "float32", "bfloat16", "float16". device: "auto" (CUDA when
     available), "cpu" or "cuda". Returns ``(model, tokenizer_or_processor, info)``: a processor for VLMs
     when the directory has one, else a tokenizer, else None (a directory without tokenizer files);
-    ``info.dtype`` is the dtype actually loaded.
+    ``info.dtype`` is the dtype actually loaded. device_map / max_memory: the model split over several GPUs
+    by accelerate (an accelerate strategy name or a {module: device} dict; {gpu index: "20GiB"}), checked by
+    ``split.check_split`` before this; None: the whole model on ``device``.
     """
     device = check_load_options(dtype, device)
     resolved = resolve(spec, trust_remote_code=trust_remote_code)
@@ -49,7 +53,11 @@ def load_model(
     )
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
-    if device != "cpu":
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+    elif device != "cpu":
         kwargs["device_map"] = device  # weights go straight to the GPU, no host-side copy of a 7B model
     model = model_class.from_pretrained(resolved.path, **kwargs).eval()
     tokenizer = _load_tokenizer(resolved, trust_remote_code)

@@ -41,6 +41,10 @@ def sparsesearch_attention(module, query, key, value, attention_mask, dropout: f
     def prefill():
         return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
+    if query.is_cuda and query.device.index != torch.cuda.current_device():
+        # a model split over GPUs by device_map: Triton launches on the current device, this layer lives on another
+        with torch.cuda.device(query.device):
+            return route(module, query, key, value, attention_mask, scaling, prefill)
     return route(module, query, key, value, attention_mask, scaling, prefill)
 
 
