@@ -549,13 +549,28 @@ def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
 def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=None) -> CalibrationResult:
     """Run the whole job (see the module docstring). space: what ``preflight(cfg)`` returned when the caller
     ran it already (the CLI does, before its progress display); otherwise the checks run here."""
+    progress = progress or Progress()
+    space = space or preflight(cfg)
+    with _spread(cfg, space, progress) as spread:
+        return _calibrate(cfg, progress, space, spread)
+
+
+def _spread(cfg: CalibrateConfig, space, progress: Progress):
+    """The search workers (search/spread.py), started before the model loads so that their start-up overlaps
+    it; a null context when the search runs in-process."""
+    workers = search_devices(cfg)
+    if not workers:
+        return contextlib.nullcontext()
+    return Spread(workers, _worker_setup, (space,), _worker_search)
+
+
+def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread | None) -> CalibrationResult:
+    """calibrate() once the workers (if any) are starting."""
     from .artifacts import write_artifact
     from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
     from .models import capture_qkv, load_model
 
-    progress = progress or Progress()
-    space = space or preflight(cfg)
     progress.stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
                                         device_map=cfg.device_map, max_memory=cfg.max_memory)
@@ -579,19 +594,21 @@ def calibrate(cfg: CalibrateConfig, progress: Progress | None = None, *, space=N
     total = Timings()
     started = time.perf_counter()
     workers = search_devices(cfg)
-    spread = Spread(workers, _worker_setup, (space,), _worker_search,
-                    on_done=lambda key, dev, s: progress.layer(key[0], key[1], info.num_layers)) if workers else None
-    with spread or contextlib.nullcontext():
-        for si, sample in enumerate(samples):
-            present = _modalities_present(sample)
-            todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
-            if not todo:
-                continue
-            on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread)
-            progress.stage(f"searching sample {si + 1}/{len(samples)}" + (f" on {len(workers)} workers" if workers else ""))
-            inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
-            capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=spread is not None or not device.startswith("cuda"), info=info)
-        reports = spread.finish() if spread else []
+    if spread is not None:
+        spread.on_done = lambda key, dev, seconds: progress.layer(key[0], key[1], info.num_layers)
+        progress.stage(f"waiting for {len(workers)} search workers to start")
+        spread.wait_ready()
+        started = time.perf_counter()  # the search, not the workers' start-up (it overlapped the load)
+    for si, sample in enumerate(samples):
+        present = _modalities_present(sample)
+        todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
+        if not todo:
+            continue
+        on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread)
+        progress.stage(f"searching sample {si + 1}/{len(samples)}" + (f" on {len(workers)} workers" if workers else ""))
+        inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
+        capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=spread is not None or not device.startswith("cuda"), info=info)
+    reports = spread.finish() if spread else []
     search_s = time.perf_counter() - started
     launches = {}
     if costs.kind == "measured":  # the user cache now holds every time measured; a copy goes beside the artifact

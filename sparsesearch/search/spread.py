@@ -44,6 +44,7 @@ def _serve(worker: int, device: str, setup: Callable, setup_args: tuple, work: C
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         state = setup(device, *setup_args)
+        results.put(("ready", None, worker, None))
         while (task := tasks.get()) is not None:
             key, args = task
             started = time.perf_counter()
@@ -67,7 +68,7 @@ class Spread:
                  on_done: Callable[[object, str, float], None] = lambda key, device, seconds: None):
         ctx = mp.get_context("spawn")
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
-        self.on_done, self.pending = on_done, 0
+        self.on_done, self.pending, self.ready = on_done, 0, 0
         self.reports = [WorkerReport(d) for d in devices]
         self.procs = [ctx.Process(target=_serve, args=(i, d, setup, setup_args, work, self.tasks, self.results), daemon=True)
                       for i, d in enumerate(devices)]
@@ -91,6 +92,9 @@ class Spread:
         report = self.reports[worker]
         if kind == "error":
             raise RuntimeError(f"search worker on {report.device} failed: {payload}")
+        if kind == "ready":
+            self.ready += 1
+            return False
         if kind == "done":
             self.pending -= 1
             report.tasks += 1
@@ -108,6 +112,14 @@ class Spread:
             if dead:
                 raise RuntimeError(f"search worker on {dead[0][0]} died (exit code {dead[0][1]})") from None
             return None
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has imported and set up: started before a model loads, their start-up
+        (a few seconds each) overlaps the load instead of the search."""
+        while self.ready < len(self.procs):
+            message = self._next(POLL_S)
+            if message is not None:
+                self._handle(message)
 
     def poll(self) -> None:
         """Handle whatever results have arrived, without waiting."""
