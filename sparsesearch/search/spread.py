@@ -16,6 +16,7 @@ per task; a state with a ``close()`` method has it called at the end, and what i
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -38,11 +39,14 @@ class WorkerReport:
     closed: dict = field(default_factory=dict)
 
 
-def _serve(worker: int, device: str, setup: Callable, setup_args: tuple, work: Callable, tasks, results) -> None:
+def _serve(worker: int, device: str, threads: int, setup: Callable, setup_args: tuple, work: Callable, tasks, results) -> None:
     """Worker ``worker``'s loop: tasks until the None that ends them; every outcome is a message on ``results``."""
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        # the host's cores shared out: every process at torch's default (all cores) made each worker's CPU-side
+        # steps 3x slower on a 2-GPU host (OpenMP threads of three processes contending)
+        torch.set_num_threads(threads)
         state = setup(device, *setup_args)
         results.put(("ready", None, worker, None))
         while (task := tasks.get()) is not None:
@@ -70,7 +74,8 @@ class Spread:
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         self.on_done, self.pending, self.ready = on_done, 0, 0
         self.reports = [WorkerReport(d) for d in devices]
-        self.procs = [ctx.Process(target=_serve, args=(i, d, setup, setup_args, work, self.tasks, self.results), daemon=True)
+        threads = max(1, (os.cpu_count() or 1) // (len(devices) + 1))  # + 1: the main process's capture
+        self.procs = [ctx.Process(target=_serve, args=(i, d, threads, setup, setup_args, work, self.tasks, self.results), daemon=True)
                       for i, d in enumerate(devices)]
         for p in self.procs:
             p.start()
