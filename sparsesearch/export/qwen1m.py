@@ -30,9 +30,10 @@ others          refused, naming the first (layer, head)         A-shape, block t
                                                                 exact vertical-slash form
 ==============  ==============================================  ==================================================
 
-A conversion of the refused kinds to their closest vertical-slash form is not offered: it would change what the
-head computes, and the issue (P14) allows it only when its KL against the artifact is measured on held-out text,
-which this module does not do yet.
+``export.convert`` (``sparsesearch export --format qwen-1m --convert``) writes the refused kinds in their closest
+vertical-slash form instead: that changes what the head computes, so (issue P14) the file is written only after
+its KL against the artifact is measured on held-out text. Here it is a hook: ``export_qwen1m(convert=...)`` hands
+each head without an exact entry to it.
 
 A KV-space artifact is written per query head: a KV head's entry is repeated for each query head of its group.
 The engines estimate lines per query head where our runtime estimates them once per KV group, so the lines can
@@ -47,6 +48,7 @@ rejects that key, so it is never written into a config here: ``dca_block`` retur
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ..artifacts.io import Artifact
 from ..artifacts.tables import to_query_heads
@@ -66,17 +68,17 @@ def _where(row: dict) -> str:
     return f"layer {row['layer']} head {row['head']} ({row['pattern']})"
 
 
-def _vs_entry(row: dict) -> list:
-    """A vertical-slash row as its entry, refused where the engines would run something else."""
+def _vs_refusal(row: dict) -> str | None:
+    """Why the engines would run this vertical-slash row differently from our runtime, or None."""
     for name, value in VS_FIXED.items():
         if row[name] != value:
-            raise ValueError(f"{FORMAT}: {_where(row)} has {name} {row[name]}; the engines fix {name} {value}")
+            return f"{FORMAT}: {_where(row)} has {name} {row[name]}; the engines fix {name} {value}"
     vertical, slash = row["vertical_size"], row["slash_size"]
     if vertical == REREAD_VERTICAL[0]:
-        raise ValueError(f"{FORMAT}: {_where(row)} has vertical_size 30, which the engines read as 130")
+        return f"{FORMAT}: {_where(row)} has vertical_size 30, which the engines read as 130"
     if min(vertical, slash) < MIN_SIZE:
-        raise ValueError(f"{FORMAT}: {_where(row)} has a size below {MIN_SIZE} ({vertical}, {slash}), which can overflow the engines' fallback path")
-    return [TYPE, vertical, slash, row["score"]]
+        return f"{FORMAT}: {_where(row)} has a size below {MIN_SIZE} ({vertical}, {slash}), which can overflow the engines' fallback path"
+    return None
 
 
 def _dense_entry(row: dict, context: int | None) -> list:
@@ -87,27 +89,33 @@ def _dense_entry(row: dict, context: int | None) -> list:
     return [TYPE, context, DENSE_SLASH, row["score"]]
 
 
-def _entry(row: dict, context: int | None) -> list:
+def _entry(row: dict, context: int | None, convert: Callable[[dict], list] | None) -> list:
+    """The head's entry: exact, or ``convert(row)``'s when there is no exact one and a converter is given."""
     if row["boundary"] != "none":
         raise ValueError(f"{FORMAT}: {_where(row)} has boundary {row['boundary']!r}; the format has no boundaries")
-    if row["pattern"] == "vertical_slash":
-        return _vs_entry(row)
     if row["pattern"] == "dense":
         return _dense_entry(row, context)
+    if row["pattern"] == "vertical_slash" and _vs_refusal(row) is None:
+        return [TYPE, row["vertical_size"], row["slash_size"], row["score"]]
+    if convert is not None:
+        return convert(row)
+    if row["pattern"] == "vertical_slash":
+        raise ValueError(_vs_refusal(row))
     raise ValueError(
         f"{FORMAT}: {_where(row)} has no exact vertical_and_slash form (the engines accept no other type); "
-        f"a measured conversion is not implemented yet"
+        f"--convert writes its closest form once its KL is measured"
     )
 
 
-def export_qwen1m(artifact: Artifact) -> list[dict]:
+def export_qwen1m(artifact: Artifact, *, convert: Callable[[dict], list] | None = None) -> list[dict]:
     """The file's content: one dict per layer with an entry for every query head, or ValueError naming the first
-    head the engines cannot run as the artifact does."""
+    head the engines cannot run as the artifact does. ``convert(row) -> entry`` (``export.convert``): the entry
+    of a query-head row (boundary none) that has no exact one; it raises ValueError for a head it refuses."""
     model = artifact.manifest["model"]
     rows, _ = effective_rows(artifact, FORMAT)
     config: list[dict] = [{} for _ in range(model["num_layers"])]
     for row in to_query_heads(list(rows.values()), artifact.manifest):  # sorted by (layer, head)
-        config[row["layer"]][str(row["head"])] = _entry(row, model.get("max_position_embeddings"))
+        config[row["layer"]][str(row["head"])] = _entry(row, model.get("max_position_embeddings"), convert)
     return config
 
 
