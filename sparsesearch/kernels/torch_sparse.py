@@ -20,6 +20,9 @@ from ._common import check_lines, check_qkv, check_region_maps, check_row_pos
 
 CHUNK_BYTES = 256 * 2**20  # fp32 scores per chunk of query blocks
 DENSE_SHARE = 0.5  # list width (keys) over kv_len above which a chunk runs as a masked matmul
+# torch's fused CPU attention (returns lse too); with an additive mask it is ~6x the unfused score / mask /
+# logsumexp / exp passes at 4K keys (2 cores), which made the wide path 6x slower than dense SDPA
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def block_sparse_attention_torch(
@@ -191,7 +194,6 @@ def _chunk(q, kv, index, q_ids, kv_ids, start, stop, q_len, kv_len, frame: _Fram
     q_rows = torch.zeros(batch, rows_, per_row, n_chunk * bm, dim, dtype=torch.float32, device=q.device)
     q_rows[..., : row1 - row0, :] = q[b_ix[..., 0], q_ids[None, :, :, None], frame.q_src[row0:row1]].float()
     q_rows = q_rows.view(batch, rows_, per_row, n_chunk, bm, dim)
-    scores = torch.einsum("brgcmd,brgckd->brgcmk", q_rows, keys.float()) * scale
     pos = frame.positions[start * bm : stop * bm].view(n_chunk, bm)
     kp = key_pos[:, :, None, :, None, :]
     if frame.key_src is None:
@@ -203,10 +205,9 @@ def _chunk(q, kv, index, q_ids, kv_ids, start, stop, q_len, kv_len, frame: _Fram
     if index.window >= 0:
         token = ((pos[None, None, None, :, :, None] - kp) < index.window) | (kp < index.sink)
         ok = ok & (~key_partial[:, :, None, :, None, :] | token)
-    scores = scores.masked_fill(~ok, float("-inf"))
-    row_lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-    res = torch.einsum("brgcmk,brgckd->brgcmd", probs, vals.float()).reshape(batch, rows_, per_row, n_chunk * bm, dim)
+    # keys/vals [B, R, G, C, K, D]: one gathered key set per (head, query block); ok [B, R, 1, C, bm, K]
+    res, row_lse = masked_attention(q_rows, keys.float(), vals.float(), ok.expand(*q_rows.shape[:-1], ok.shape[-1]), scale)
+    res = res.reshape(batch, rows_, per_row, n_chunk * bm, dim)
     row_lse = row_lse.reshape(batch, rows_, per_row, n_chunk * bm)
     n_rows = row1 - row0
     heads_flat = q_ids.reshape(-1)
@@ -252,12 +253,29 @@ def _chunk_masked(q, k_sel, v_sel, index, q_ids, start, stop, q_len, kv_len, pos
     heads_flat = q_ids.reshape(-1)
     n_rows = row1 - row0
     q_rows = q[:, heads_flat, row0:row1].float()
-    scores = (q_rows @ k_sel.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~ok[:, :, :n_rows], float("-inf"))
-    row_lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-    out[:, heads_flat, row0:row1] = (probs @ v_sel.float()).to(out.dtype)
+    res, row_lse = masked_attention(q_rows, k_sel.float(), v_sel.float(), ok[:, :, :n_rows], scale)
+    out[:, heads_flat, row0:row1] = res.to(out.dtype)
     lse[:, heads_flat, row0:row1] = row_lse
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q [..., M, D] over k/v [..., K, D] where allowed bool [..., M, K] -> (out [..., M, D], lse [..., M]);
+    rows with no admitted key: out 0, lse -inf. On a CPU through torch's fused kernel with an additive mask
+    (leading dims flattened into its batch); elsewhere scores, one exp and a normalisation."""
+    lead, m, kn = q.shape[:-2], q.shape[-2], k.shape[-2]
+    empty = ~allowed.any(-1)
+    if _CPU_FLASH is not None and not q.is_cuda:
+        flat = lambda t: t.reshape(-1, 1, *t.shape[-2:])  # noqa: E731
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        res, row_lse = _CPU_FLASH(flat(q), flat(k), flat(v), 0.0, False, attn_mask=flat(bias), scale=scale)[:2]
+        res, row_lse = res.reshape(*lead, m, q.shape[-1]), row_lse.float().reshape(*lead, m)
+        return res.masked_fill(empty[..., None], 0.0), row_lse.masked_fill(empty, float("-inf"))
+    scores = (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    top = scores.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)  # a row with no key: exp(-inf) = 0 below
+    probs = scores.sub_(top).exp_()
+    total = probs.sum(-1, keepdim=True)
+    res = (probs @ v) / total.clamp_min(torch.finfo(total.dtype).tiny)
+    return res, (top + total.log()).squeeze(-1)
 
 
 def _line_rows(q, k, v, lines: GridLines, index: BlockIndex, heads: torch.Tensor | None, scale: float | None, out, lse) -> None:
