@@ -19,3 +19,14 @@ def test_never_faster_says_so_instead_of_none():
 def test_a_target_adds_its_cost_fraction():
     lines = what_it_buys({"mean_density": 0.5, "dense_cutoff": None, "target": {"calibration": {"cost_fraction": 0.62}}})
     assert lines == ["attention computed: 50.0% of dense (mean over heads); cost 62.0% of dense under the search's cost model"]
+
+
+def test_a_mostly_dense_lossless_artifact_says_so_plainly():
+    target = {"kind": "max_output_error", "value": 0.02, "calibration": {"cost_fraction": 0.84, "sparse_heads": 21},
+              "dense_heads": [{"layer": 0, "head": h} for h in range(69)]}
+    lines = what_it_buys({"mean_density": 0.84, "dense_cutoff": None, "target": target, "tokens": 4096})
+    assert any("21 of 90 searched heads run sparse, each within output error 0.02 of dense; 69 stay dense" in l
+               and "at 4096 tokens this model needs near-dense attention" in l for l in lines), lines
+    target["calibration"]["sparse_heads"], target["dense_heads"] = 80, target["dense_heads"][:10]
+    lines = what_it_buys({"mean_density": 0.3, "dense_cutoff": None, "target": target, "tokens": 32768})
+    assert any("80 of 90 searched heads run sparse" in l and "near-dense" not in l for l in lines), lines

@@ -150,3 +150,32 @@ def test_max_memory_too_small_for_the_weights_is_refused(tiny_model, space_file,
     result = CliRunner().invoke(app, ["calibrate", "--model", tiny_model, "--search-space", str(space_file), "--out", str(tmp_path / "a"),
                                       "--eval-data", "", "--device-map", "balanced", "--max-memory", "0=1KB"])
     assert result.exit_code == 2 and "the weights need" in result.stderr, result.output
+
+
+def test_the_command_line_default_is_the_lossless_cap_and_space_budget_restores_the_budget(tiny_model, tmp_path):
+    import json as _json
+
+    from sparsesearch.calibrate import DEFAULT_MAX_OUTPUT_ERROR
+    from test_calibrate import SPACE as PLAIN
+
+    space = tmp_path / "plain.json"
+    space.write_text(_json.dumps(PLAIN))
+    base = ["calibrate", "--model", tiny_model, "--search-space", str(space), "--max-tokens", "512", "--eval-data", "",
+            "--min-tokens", "128", "--json"]
+    default = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "d")])
+    assert default.exit_code == 0, default.output
+    target = json.loads(default.stdout)["target"]
+    assert target["kind"] == "max_output_error" and target["value"] == DEFAULT_MAX_OUTPUT_ERROR and target["source"] == "default"
+    budget = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b"), "--space-budget"])
+    assert budget.exit_code == 0, budget.output
+    assert json.loads(budget.stdout)["target"] is None
+    given = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "g"), "--max-output-error", "0.1", "--allow-miss"])
+    assert given.exit_code == 0, given.output
+    assert json.loads(given.stdout)["target"]["source"] == "given"
+    both = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "x"), "--space-budget", "--target-kl", "0.01"])
+    assert both.exit_code == 2 and "--space-budget is the search without a quality target" in both.stderr
+
+
+def test_multimodal_data_keeps_the_budget_search_under_the_default(tiny_model, space_file, tmp_path):
+    res = calibrate(_cfg(tiny_model, tmp_path / "m", space_file, data="synthetic:mixed", default_max_output_error=0.02))
+    assert "target" not in res.manifest["methods"]["mminference"]
