@@ -97,6 +97,9 @@ def calibrate(
     _render(result, summary, density)
 
 
+DENSE_ROWS_SHOWN = 8  # rows of the "heads kept dense" table on screen
+
+
 def _global(rows: list[dict]) -> list[dict]:
     """The rows every head runs without modality ids: all rows x all keys."""
     from sparsesearch.artifacts.columns import is_global
@@ -126,12 +129,15 @@ def _render_target(target: dict) -> None:
         out_console.print(f"KL model (one layer sparse at {model['probe']['cost_fraction']:.0%} of dense cost): layer KL sum "
                           f"{model['sum_of_layer_kl']:.3g}; largest: " + ", ".join(f"layer {l['layer']} {l['kl']:.2g}" for l in top), highlight=False)
     if target["dense_heads"]:
-        table = Table(title=f"heads kept dense ({len(target['dense_heads'])})")
+        dense = target["dense_heads"]
+        table = Table(title=f"heads kept dense ({len(dense)})")
         table.add_column("layer", justify="right")
         table.add_column("head", justify="right")
         table.add_column("why")
-        for d in target["dense_heads"]:
+        for d in dense[:DENSE_ROWS_SHOWN]:
             table.add_row(str(d["layer"]), str(d["head"]), d["reason"])
+        if len(dense) > DENSE_ROWS_SHOWN:  # every reason is in the artifact; a screen of them says no more
+            table.add_row("…", "…", f"{len(dense) - DENSE_ROWS_SHOWN} more: every reason is in the manifest (methods.mminference.target.dense_heads) and in --json")
         out_console.print(table)
 
 
