@@ -56,7 +56,7 @@ from .search.targets import (
 # The command line's default target (issue P11 §3): every head its cheapest candidate whose attention output is
 # within 2% (relative L2) of dense on the calibration sample, the others dense. On SmolLM2 at 4K it measured
 # held-out teacher-forced KL 0.0013 (perplexity +0.5%) where the space's budget search gave 0.055 (+7.8%); a 5%
-# cap gave 0.0073 (+1.8%). RESULTS "The main job's lossless default".
+# cap gave 0.0073 (+1.8%). RESULTS Run 32 (CPU).
 DEFAULT_MAX_OUTPUT_ERROR = 0.02
 GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
 DENSE_CANDIDATE = Candidate("dense", {})
@@ -99,6 +99,7 @@ class CalibrateConfig:
     # default, DEFAULT_MAX_OUTPUT_ERROR); multi-modal data, whose boundary search the targets do not cover,
     # and None keep the search space's budget
     default_max_output_error: float | None = None
+    defaulted: bool = False  # set by calibrate when the default cap is the target (the record says "default")
 
 
 @dataclass
@@ -530,7 +531,7 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     record = {
         "kind": kind, "value": value, "met": miss is None,
         # given by the user, or the command line's default (--space-budget searches the space's budget instead)
-        "source": "default" if cfg.max_output_error == cfg.default_max_output_error and kind == "max_output_error" else "given", "allow_miss": cfg.allow_miss, "missed": miss,
+        "source": "default" if cfg.defaulted else "given", "allow_miss": cfg.allow_miss, "missed": miss,
         "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
                        "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
         **({"kl_model": model["record"]} if model else {}),
@@ -738,7 +739,7 @@ def _with_default_target(cfg: CalibrateConfig, samples: list) -> CalibrateConfig
     if cfg.default_max_output_error is None or target_of(cfg) or any(len(_modalities_present(x)) > 1 for x in samples):
         return cfg
     # a default never refuses: when no head can meet it the artifact is dense, and says why per head
-    return dataclasses.replace(cfg, max_output_error=cfg.default_max_output_error, allow_miss=True)
+    return dataclasses.replace(cfg, max_output_error=cfg.default_max_output_error, allow_miss=True, defaulted=True)
 
 
 def _placement(model) -> dict:

@@ -169,7 +169,7 @@ def test_the_command_line_default_is_the_lossless_cap_and_space_budget_restores_
     budget = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "b"), "--space-budget"])
     assert budget.exit_code == 0, budget.output
     assert json.loads(budget.stdout)["target"] is None
-    given = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "g"), "--max-output-error", "0.1", "--allow-miss"])
+    given = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "g"), "--max-output-error", str(DEFAULT_MAX_OUTPUT_ERROR), "--allow-miss"])
     assert given.exit_code == 0, given.output
     assert json.loads(given.stdout)["target"]["source"] == "given"
     both = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "x"), "--space-budget", "--target-kl", "0.01"])
