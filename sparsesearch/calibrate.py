@@ -30,6 +30,7 @@ import json
 import math
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,7 +41,7 @@ from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, wi
 from .artifacts.summary import effective_densities
 from .files import write_json_atomic
 from .patterns import PARAMS
-from .models.split import check_gpus, check_split
+from .models.split import check_gpus, check_split, gpu_count
 from .search.cost import cost_model_for
 from .search.spread import Spread
 from .patterns.dense import DenseParams
@@ -603,31 +604,32 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
     notes = [resumed_note(work)] if resumed else []
     if notes:
         progress.stage(notes[0])
-    costs = cost_model_for(device)
+    # in-process only: workers price with their own models and merge into the user cache, read after them
+    costs = cost_model_for(device) if spread is None else None
     total = Timings()
-    started = time.perf_counter()
-    workers = search_devices(cfg)
+    workers = f" on {len(spread.procs)} workers" if spread is not None else ""
     if spread is not None:
         spread.on_done = lambda key, dev, seconds: progress.layer(key[0], key[1], info.num_layers)
-        progress.stage(f"waiting for {len(workers)} search workers to start")
+        progress.stage(f"waiting for{workers} to start")
         spread.wait_ready()
-        started = time.perf_counter()  # the search, not the workers' start-up (it overlapped the load)
+    started = time.perf_counter()  # the search, not the workers' start-up (it overlapped the load)
     for si, sample in enumerate(samples):
         present = _modalities_present(sample)
         todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
         if not todo:
             continue
         on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread)
-        progress.stage(f"searching sample {si + 1}/{len(samples)}" + (f" on {len(workers)} workers" if workers else ""))
+        progress.stage(f"searching sample {si + 1}/{len(samples)}{workers}")
         inputs = {"input_ids": sample.input_ids[None].to(device), **sample.inputs}  # + pixel tensors of a VLM prompt
         capture_qkv(model, inputs, layers=sorted(todo), on_layer=on_layer, to_cpu=spread is not None or not device.startswith("cuda"), info=info)
     reports = spread.finish() if spread else []
     search_s = time.perf_counter() - started
+    if spread is not None:
+        costs = cost_model_for(device)  # the cache the workers merged their measurements into
     launches = {}
     if costs.kind == "measured":  # the user cache now holds every time measured; a copy goes beside the artifact
         costs.flush()
-        if reports:  # the workers measured: this process's model reads the cache they merged into
-            costs = cost_model_for(device)
+        if reports:  # the launches were the workers'
             costs.timed = sum(r.closed.get("timed", 0) for r in reports)
             costs.priced = sum(r.closed.get("priced_from_table", 0) for r in reports)
         costs.save_to(cfg.out.with_name(cfg.out.name + ".costs.json"))
@@ -743,12 +745,10 @@ def _with_default_target(cfg: CalibrateConfig, samples: list) -> CalibrateConfig
 
 
 def _placement(model) -> dict:
-    """Where accelerate put the model: {device: decoder layers on it} (from hf_device_map), peak memory per GPU."""
-    placed: dict = {}
-    for name, dev in (getattr(model, "hf_device_map", None) or {}).items():
-        placed.setdefault(str(dev), []).append(name)
-    peaks = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3) for i in range(torch.cuda.device_count())} if torch.cuda.is_available() else {}
-    return {"modules": {d: len(names) for d, names in placed.items()}, "main_process_peak_memory_gib": peaks}
+    """Where accelerate put the model: {device: modules of hf_device_map on it}, and this process's peak memory per GPU."""
+    placed = Counter(str(dev) for dev in (getattr(model, "hf_device_map", None) or {}).values())
+    peaks = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 3) for i in range(gpu_count())}
+    return {"modules": dict(placed), "main_process_peak_memory_gib": peaks}
 
 
 def resumed_note(work: Path) -> str:

@@ -262,7 +262,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     """fp32 q [..., M, D] over k/v [..., K, D] where allowed bool [..., M, K] -> (out [..., M, D], lse [..., M]);
     rows with no admitted key: out 0, lse -inf. On a CPU through torch's fused kernel with an additive mask
     (leading dims flattened into its batch); elsewhere scores, one exp and a normalisation."""
-    lead, m, kn = q.shape[:-2], q.shape[-2], k.shape[-2]
+    lead, m = q.shape[:-2], q.shape[-2]
     empty = ~allowed.any(-1)
     if _CPU_FLASH is not None and not q.is_cuda:
         flat = lambda t: t.reshape(-1, 1, *t.shape[-2:])  # noqa: E731

@@ -72,7 +72,7 @@ class Spread:
                  on_done: Callable[[object, str, float], None] = lambda key, device, seconds: None):
         ctx = mp.get_context("spawn")
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
-        self.on_done, self.pending, self.ready = on_done, 0, 0
+        self.on_done, self.ready, self.exited = on_done, 0, 0
         self.reports = [WorkerReport(d) for d in devices]
         threads = max(1, (os.cpu_count() or 1) // (len(devices) + 1))  # + 1: the main process's capture
         self.procs = [ctx.Process(target=_serve, args=(i, d, threads, setup, setup_args, work, self.tasks, self.results), daemon=True)
@@ -89,25 +89,22 @@ class Spread:
     def submit(self, key, *args) -> None:
         """Queue one task; CPU tensors in ``args`` travel through shared memory."""
         self.tasks.put((key, args))
-        self.pending += 1
 
-    def _handle(self, message) -> bool:
-        """Apply one worker message; True when it was a worker's exit."""
+    def _handle(self, message) -> None:
+        """Apply one worker message: counts, reports, on_done; a worker's error raises here."""
         kind, key, worker, payload = message
         report = self.reports[worker]
         if kind == "error":
             raise RuntimeError(f"search worker on {report.device} failed: {payload}")
         if kind == "ready":
             self.ready += 1
-            return False
-        if kind == "done":
-            self.pending -= 1
+        elif kind == "done":
             report.tasks += 1
             report.busy_s += payload
             self.on_done(key, report.device, payload)
-            return False
-        report.peak_bytes, report.closed = payload
-        return True
+        else:  # exit
+            self.exited += 1
+            report.peak_bytes, report.closed = payload
 
     def _next(self, timeout: float):
         try:
@@ -118,13 +115,17 @@ class Spread:
                 raise RuntimeError(f"search worker on {dead[0][0]} died (exit code {dead[0][1]})") from None
             return None
 
-    def wait_ready(self) -> None:
-        """Wait until every worker has imported and set up: started before a model loads, their start-up
-        (a few seconds each) overlaps the load instead of the search."""
-        while self.ready < len(self.procs):
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Handle messages until done() holds, checking every POLL_S that no worker died."""
+        while not done():
             message = self._next(POLL_S)
             if message is not None:
                 self._handle(message)
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has imported and set up: started before a model loads, their start-up
+        (a few seconds each) overlaps the load instead of the search."""
+        self._wait(lambda: self.ready == len(self.procs))
 
     def poll(self) -> None:
         """Handle whatever results have arrived, without waiting."""
@@ -135,11 +136,7 @@ class Spread:
         """Wait for every submitted task, end the workers, and return their reports."""
         for _ in self.procs:
             self.tasks.put(None)
-        exited = 0
-        while exited < len(self.procs):
-            message = self._next(POLL_S)
-            if message is not None:
-                exited += self._handle(message)
+        self._wait(lambda: self.exited == len(self.procs))
         for p in self.procs:
             p.join()
         return list(self.reports)

@@ -20,6 +20,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..models.split import gpu_count
+
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -45,7 +47,7 @@ def check_backend(backend: str, nproc: int) -> str:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     if backend == "auto":
         backend = "nccl" if gpus else "gloo"
     if backend == "nccl" and gpus == 0:
