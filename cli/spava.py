@@ -50,12 +50,14 @@ def seconds(value: float | None) -> str:
 
 
 def generation_cells(r: dict) -> tuple[str, ...]:
-    """The --generate columns of one row: agreement with dense, which decode ran, its per-token cost."""
+    """The --generate columns of one row: agreement with dense, which decode ran, its per-token cost against
+    one-GPU dense decode's."""
     if "generated" not in r:
         return ("-",) * 6
     per_token = lambda v, fmt: "-" if v is None else fmt(v)
+    ms = lambda v: f"{v * 1e3:.2f}"
     return ("yes" if r["first_token_agreement"] else "no", f"{r['generated_prefix']} / {len(r['generated'])}", r["decode"],
-            per_token(r["decode_s_per_token"], lambda v: f"{v:.3f}"), per_token(r["decode_bytes_per_token"], lambda v: f"{v / 1e3:.1f}"),
+            f"{per_token(r['decode_s_per_token'], ms)} / {per_token(r.get('decode_s_per_token_dense'), ms)}", per_token(r["decode_bytes_per_token"], lambda v: f"{v / 1e3:.1f}"),
             f"{r['decode_setup_bytes'] / 1e6:.1f}")
 
 
@@ -64,7 +66,7 @@ def rows_table(result: dict, title: str) -> Table:
     generated = any("generated" in r for r in result["rows"])
     prompts = len({r.get("sample", 0) for r in result["rows"]}) > 1  # --samples N: one row per prompt, say which
     cols = ("tokens",) + (("prompt",) if prompts else ()) + ("l_a", "l_p", "KL", "logit err", "ppl / exact", "retrieved", "s / exact s", "MB sent / exact",
-            "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense", "decode", "s / token", "KB / token / rank", "setup MB") if generated else ())
+            "model W=2 s", "W=4 s", "W=8 s") + (("1st token = dense", "tokens = dense", "decode", "ms / token / 1-GPU dense", "KB / token / rank", "setup MB") if generated else ())
     for c in cols:
         table.add_column(c, justify="right")
     for r in result["rows"]:

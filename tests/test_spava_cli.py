@@ -86,7 +86,7 @@ def test_run_generate_after_covering_prefill_equals_dense(tmp_path, nproc, decod
     assert row["passing_used"] == 128 and len(row["generated"]) == 4
     assert row["generated"] == row["generated_dense"] and row["first_token_agreement"] and row["generated_prefix"] == 4
     assert row["generated_agreement"] == 1.0 and row["decode_seconds"] > 0
-    assert row["decode"] == decode and row["decode_s_per_token"] > 0
+    assert row["decode"] == decode and row["decode_s_per_token"] > 0 and row["decode_s_per_token_dense"] > 0
     if decode == "distributed":  # nothing moves before the first step, then (out, lse) per layer per step
         assert row["decode_setup_bytes"] == 0 and (row["decode_bytes_per_token"] > 0) == (nproc > 1)
     else:  # the cache moves once, before the first step

@@ -350,11 +350,17 @@ def spava_generate(model, ids: torch.Tensor, ctx: RankContext, steps: int, *, de
     return tokens, logits, step_logits, state
 
 
-def dense_generate(model, ids: torch.Tensor, steps: int):
-    """The ordinary model's own prefill of ids long [B, n] then the same greedy loop -> (tokens long [B, steps], cache)."""
+def dense_prefill(model, ids: torch.Tensor):
+    """The ordinary model's own prefill of ids long [B, n] -> (its cache, last-position logits [B, 1, V])."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         logits = model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1).logits
+    return cache, logits
+
+
+def dense_generate(model, ids: torch.Tensor, steps: int):
+    """The ordinary model's own prefill of ids long [B, n] then the same greedy loop -> (tokens long [B, steps], cache)."""
+    cache, logits = dense_prefill(model, ids)
     return greedy(model, cache, logits[:, -1].argmax(-1), ids.shape[1], steps)[0], cache

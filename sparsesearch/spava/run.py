@@ -126,13 +126,24 @@ def generation(tokens: torch.Tensor, dense: torch.Tensor, tokenizer) -> dict:
             "first_token_agreement": bool(same[0]), "generated_agreement": float(same.float().mean()), "generated_prefix": prefix}
 
 
-def _dense_tokens(model, ids: torch.Tensor, steps: int, rank: int) -> torch.Tensor:
-    """Dense greedy generation on rank 0 (the others wait at the broadcast) -> long [B, steps] on every rank."""
-    from .decode import dense_generate
+def _dense_tokens(model, ids: torch.Tensor, steps: int, rank: int) -> tuple[torch.Tensor, float | None]:
+    """Dense greedy generation on rank 0 alone, the one-GPU reference the distributed decode is timed against
+    (the others wait at the broadcast) -> (long [B, steps] on every rank, rank 0's seconds per decode step after
+    the prefill's token, None when steps = 1)."""
+    from .decode import dense_prefill, greedy
 
-    tokens = dense_generate(model, ids, steps)[0] if rank == 0 else ids.new_empty((ids.shape[0], steps))
+    per = None
+    if rank == 0:
+        cache, logits = dense_prefill(model, ids)
+        _sync()
+        start = time.perf_counter()
+        tokens = greedy(model, cache, logits[:, -1].argmax(-1), ids.shape[1], steps)[0]
+        _sync()
+        per = (time.perf_counter() - start) / (steps - 1) if steps > 1 else None
+    else:
+        tokens = ids.new_empty((ids.shape[0], steps))
     dist.broadcast(tokens, src=0)
-    return tokens
+    return tokens, per
 
 
 def decode_fields(stats: dict, how: str, steps: int, seconds: float) -> dict:
@@ -291,6 +302,7 @@ class Baseline:
     ctx: RankContext
     seconds: float
     dense_tokens: torch.Tensor | None
+    dense_s_per_token: float | None = None  # one-GPU dense decode on rank 0, the decode's reference
 
 
 def baseline(cfg: SpavaConfig, model, ids: torch.Tensor, cp_reason, sliding: bool, rank: int, world: int, device) -> Baseline:
@@ -302,8 +314,8 @@ def baseline(cfg: SpavaConfig, model, ids: torch.Tensor, cp_reason, sliding: boo
     engine, why_not_cp = exact_engine(cp_reason, ids.shape[1], world, sliding)
     warm_on_gpu(lambda: exact_logits(model, ids, engine, cfg.query, rank, world, device), device)
     exact, ctx, seconds = exact_logits(model, ids, engine, cfg.query, rank, world, device)
-    dense = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else None
-    return Baseline(engine, why_not_cp, exact, ctx, seconds, dense)
+    dense, dense_step = _dense_tokens(model, ids, cfg.generate, rank) if cfg.generate else (None, None)
+    return Baseline(engine, why_not_cp, exact, ctx, seconds, dense, dense_step)
 
 
 def config_row(cfg: SpavaConfig, model, tok, info, ids: torch.Tensor, answer: int, sample: int, base: Baseline, lay: Layout,
@@ -327,7 +339,8 @@ def config_row(cfg: SpavaConfig, model, tok, info, ids: torch.Tensor, answer: in
         from .decode import decode
 
         (tokens, _, _), _, t_dec = _timed(lambda: decode(model, ctx, logits[:, -1], cfg.generate, cfg.decode), None)
-        row.update(generation(tokens, base.dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec))
+        row.update(generation(tokens, base.dense_tokens, tok), **decode_fields(ctx.stats, cfg.decode, cfg.generate, t_dec),
+                   decode_s_per_token_dense=base.dense_s_per_token)
     return row
 
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Gemma 3 270M on a GPU host with 2-4 GPUs, from an uninstalled checkout (issues P11 §2 and P15 §2).
+#
+#   bash benchmarks/gemma_gpu.sh stash PART_DIR         # keep one transferred part of the GGUF in $PARTS
+#   bash benchmarks/gemma_gpu.sh join                   # join the parts, check the checksum, install the wheels
+#   bash benchmarks/gemma_gpu.sh calibrate              # P11: searched artifacts at 8K/16K/32K, spread over 4 GPUs
+#   bash benchmarks/gemma_gpu.sh pareto GPU TOKENS      # P11: the Pareto of one length, and passkey x 20 per artifact
+#   bash benchmarks/gemma_gpu.sh spava GPUS             # P15 §2: SPAVA on two GPUs (GPUS e.g. 2,3)
+#
+# The GGUF (253 MB) is more than one transfer: it travels in parts (split -n 5: the tree and a part must stay under 64 MiB) on consecutive calls to one
+# warm host. Everything lands under $RES (default $OUT): p11/T/ (pareto_gpu.sh's layout per length) and spava/.
+# A job that would outlive the call is cut at $DEADLINE seconds from the call's start and resumes on the next
+# call (calibrate --resume, pareto's own per-point resume).
+set -u
+export PYTHONPATH=.:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PARTS=${PARTS:-/tmp/gemma_parts}
+G=$PARTS/gemma-3-270m-q4_k_m.gguf
+SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+RES=${RES:-${OUT:-/tmp/gemma}}
+DEADLINE=${DEADLINE:-560}
+T0=$(date +%s)
+left() { echo $((DEADLINE - ($(date +%s) - T0))); }
+ss() { python3 -c "from cli.app import main; main()" "$@"; }
+mode=$1
+shift
+
+# One searched artifact per (length, target) on GPU $1: wide space, per query head (Gemma's global layers
+# have one KV head each, so per-KV-head leaves 3 choices in the whole model).
+calib() {
+    local gpu=$1 t=$2 kl=$3 dir=$RES/p11/$2
+    [ -f "$dir/a/kl$kl/manifest.json" ] && return 0
+    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh calibrate "$G" "kl$kl" \
+        --search-space wide --target-kl "$kl" --allow-miss --head-space query --device cuda --resume
+}
+
+case $mode in
+stash)
+    mkdir -p "$PARTS" && cp "$1"/part.* "$PARTS"/ && ls -la "$PARTS" ;;
+join)
+    [ -f "$G" ] || cat "$PARTS"/part.* >"$G"
+    echo "$SHA  $G" | sha256sum -c - || exit 1
+    pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1 ;;
+calibrate)
+    # 32K dominates: one target per GPU there, then an 8K target each; the fourth GPU takes 16K.
+    for i in 0 1 2; do
+        kl=$(echo 0.05 0.02 0.005 | cut -d' ' -f$((i + 1)))
+        (calib $i 32768 "$kl"; calib $i 8192 "$kl") &
+    done
+    (for kl in 0.05 0.02 0.005; do calib 3 16384 "$kl"; done) &
+    wait
+    for d in "$RES"/p11/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;
+pareto)
+    gpu=$1 t=$2 dir=$RES/p11/$2
+    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh pareto "$G" \
+        --samples 2 --budgets 0.3,0.5,0.7,0.85 --device cuda --resume --json >"$dir/pareto.json"
+    for a in "$dir"/a/*/; do
+        name=$(basename "$a")
+        [ -s "$dir/passkey_$name.json" ] && continue
+        CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" ss evaluate "$a" --model "$G" --data synthetic:passkey --samples 20 \
+            --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log"
+    done ;;
+spava)
+    d=$RES/spava && mkdir -p "$d"
+    sw() { CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" ss sweep-spava --model "$G" --nproc 2 "${@:2}" --json; }
+    [ -s "$d/passkey.json" ] || sw "$1" --tokens 16384,32768 --anchor default --passing default --data synthetic:passkey \
+        --samples 20 --out "$d/passkey" >"$d/passkey.json" 2>>"$d/log"
+    [ -s "$d/text.json" ] || sw "$1" --tokens 16384,32768 --anchor 512,1024,2048 --passing 256,1024,2048 --data text \
+        --samples 2 --out "$d/text" >"$d/text.json" 2>>"$d/log"
+    for how in distributed gather; do
+        [ -s "$d/decode_$how.json" ] || CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" ss spava run --model "$G" --nproc 2 \
+            --tokens 32768 --generate 32 --decode "$how" --json >"$d/decode_$how.json" 2>>"$d/log"
+    done
+    ls -la "$d" ;;
+*)
+    echo "unknown mode $mode" >&2
+    exit 2 ;;
+esac
