@@ -20,8 +20,8 @@ SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 RES=${RES:-${OUT:-/tmp/gemma}}
 DEADLINE=${DEADLINE:-560}
 T0=$(date +%s)
-left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-ss() { python3 -c "from cli.app import main; main()" "$@"; }
+left() { local s=$((DEADLINE - ($(date +%s) - T0))); echo $((s > 1 ? s : 1)); }
+SS=(python3 -c "from cli.app import main; main()")  # an array, not a function: timeout runs programs only
 mode=$1
 shift
 
@@ -57,18 +57,18 @@ pareto)
     for a in "$dir"/a/*/; do
         name=$(basename "$a")
         [ -s "$dir/passkey_$name.json" ] && continue
-        CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" ss evaluate "$a" --model "$G" --data synthetic:passkey --samples 20 \
+        CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "$a" --model "$G" --data synthetic:passkey --samples 20 \
             --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log"
     done ;;
 spava)
     d=$RES/spava && mkdir -p "$d"
-    sw() { CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" ss sweep-spava --model "$G" --nproc 2 "${@:2}" --json; }
+    sw() { CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" "${SS[@]}" sweep-spava --model "$G" --nproc 2 "${@:2}" --json; }
     [ -s "$d/passkey.json" ] || sw "$1" --tokens 16384,32768 --anchor default --passing default --data synthetic:passkey \
         --samples 20 --out "$d/passkey" >"$d/passkey.json" 2>>"$d/log"
     [ -s "$d/text.json" ] || sw "$1" --tokens 16384,32768 --anchor 512,1024,2048 --passing 256,1024,2048 --data text \
         --samples 2 --out "$d/text" >"$d/text.json" 2>>"$d/log"
     for how in distributed gather; do
-        [ -s "$d/decode_$how.json" ] || CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" ss spava run --model "$G" --nproc 2 \
+        [ -s "$d/decode_$how.json" ] || CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" "${SS[@]}" spava run --model "$G" --nproc 2 \
             --tokens 32768 --generate 32 --decode "$how" --json >"$d/decode_$how.json" 2>>"$d/log"
     done
     ls -la "$d" ;;

@@ -42,7 +42,7 @@ def _only_layer(rows: list[dict], layer: int) -> list[dict]:
 
 
 def _kl(model, tok, manifest, rows, refs) -> list[float]:
-    from sparsesearch.calibrate import fidelity_kl
+    from sparsesearch.tuning import fidelity_kl
     from sparsesearch.fidelity import evaluate_against
 
     return [fidelity_kl(evaluate_against(model, tok, manifest, rows, ref, min_tokens=1))[1] for ref in refs]
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from sparsesearch.artifacts.manifest import new_manifest
-    from sparsesearch.calibrate import CalibrateConfig, _layer_curves, _point, tuning_samples
+    from sparsesearch.calibrate import CalibrateConfig, _layer_curves, _point
+    from sparsesearch.tuning import tuning_samples
     from sparsesearch.data import held_out
     from sparsesearch.fidelity import dense_reference
     from sparsesearch.models import load_model

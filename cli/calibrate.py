@@ -32,6 +32,7 @@ def calibrate(
     space_budget: Annotated[bool, typer.Option("--space-budget", help="No quality target: each head its least-error candidate within the search space's budget (the paper's setting; lossy on short prompts: KL 0.055 on SmolLM2 at 4K).")] = False,
     latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
     tune_samples: Annotated[int, typer.Option(help="--target-kl: calibration-data prompts (after the searched ones, never held-out) the KL is measured on.")] = 2,
+    retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey prompts at --max-tokens whose answers (those dense gives) the chosen point must keep; it moves up the path until none is lost. 0: off.")] = 4,
     allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
@@ -60,7 +61,7 @@ def calibrate(
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
-                          latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples, gpus=gpus,
+                          latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples, retrieval_guard=retrieval_guard, gpus=gpus,
                           device_map=read_device_map(device_map), max_memory=parse_max_memory(max_memory),
                           default_max_output_error=None if space_budget else DEFAULT_MAX_OUTPUT_ERROR)
     if space_budget and any(t is not None for t in (target_kl, max_output_error, latency_budget)):

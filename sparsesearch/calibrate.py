@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -51,8 +50,9 @@ from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_mod
 from .search.space import MODALITY_NAMES, Candidate, load_space
 from .search.targets import (
     DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_path, kl_sensitivity,
-    lagrangian_path, only_layer, probe_allocation, search_target,
+    hold_guard, lagrangian_path, only_layer, probe_allocation, search_target,
 )
+from .tuning import VERIFY_MIN_TOKENS, fidelity_kl, retrieval_guard, tuning_kl, tuning_record
 
 # The command line's default target (issue P11 §3): every head its cheapest candidate whose attention output is
 # within 2% (relative L2) of dense on the calibration sample, the others dense. On SmolLM2 at 4K it measured
@@ -90,6 +90,7 @@ class CalibrateConfig:
     latency_budget: float | None = None
     allow_miss: bool = False
     tune_samples: int = 2  # --target-kl: calibration-stream prompts the KL is measured on (after the searched ones)
+    retrieval_guard: int = 4  # --target-kl: passkey prompts whose answers the chosen point must keep (tuning.py); 0: off
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
     gpus: int = 1  # search workers, one per GPU (search/spread.py); 1: searched in-process, inside the forward
@@ -138,6 +139,8 @@ def check_config(cfg: CalibrateConfig) -> None:
         raise ValueError(f"--eval-samples must be >= 0, got {cfg.eval_samples}")
     if cfg.tune_samples < 1:
         raise ValueError(f"--tune-samples must be >= 1, got {cfg.tune_samples}")
+    if cfg.retrieval_guard < 0:
+        raise ValueError(f"--retrieval-guard must be >= 0, got {cfg.retrieval_guard}")
     if cfg.min_tokens is not None and cfg.min_tokens < 1:
         raise ValueError(f"--min-tokens must be >= 1, got {cfg.min_tokens}")
     given = {kind: value for kind, value in _targets(cfg).items() if value is not None}
@@ -410,7 +413,6 @@ def _stable_rows(layer: int, chosen: list[dict], loaded, budget, objective: str,
     return safer_rows(chosen, per_sample, budget, objective, stability[layer])
 
 
-VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
 KL_RESOLUTION = 0.005  # the KL bisection stops when its bracket spans <= 0.5% of dense cost
 PROBE_COST = 0.3  # --target-kl: layer KL sensitivities are measured at the error path's point nearest 30% of dense cost
 CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
@@ -452,20 +454,6 @@ def _point(alloc: Allocation, curves: list[HeadCurve], rows: list[dict]) -> dict
             "mean_output_error": round(sum(r["output_error"] for r in rows) / len(rows), 6)}
 
 
-def fidelity_kl(fidelity: dict) -> tuple[str, float]:
-    """(key, value) of the KL a target is held against in an ``evaluate_fidelity`` result: the teacher-forced
-    KL averaged over every position of the prompts (``teacher_forced.kl_mean``) when the report has it — one
-    next-token KL per prompt is a single sampled position, too noisy to bisect on — else the first key
-    naming a KL with a number (reports written before teacher forcing: ``next_token_kl``)."""
-    tf = fidelity.get("teacher_forced")
-    if isinstance(tf, dict) and isinstance(tf.get("kl_mean"), (int, float)):
-        return "teacher_forced.kl_mean", float(tf["kl_mean"])
-    for key, value in fidelity.items():
-        if "kl" in key.split("_") and isinstance(value, (int, float)):
-            return key, float(value)
-    raise ValueError(f"fidelity result has no KL to hold a --target-kl against (keys: {sorted(fidelity)})")
-
-
 def kl_model(curves: list[HeadCurve], path: list[Allocation], measure: Callable[[Allocation], float]) -> dict:
     """The per-layer KL model of a --target-kl search (search/targets.py): at ``probe_allocation`` (the error
     path's point nearest PROBE_COST of dense cost), the KL with one layer at a time sparse, and per layer
@@ -486,11 +474,13 @@ def kl_model(curves: list[HeadCurve], path: list[Allocation], measure: Callable[
 
 
 def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: list[int], space,
-                    kl_of: Callable[[list[dict]], float]) -> tuple[list[dict], dict]:
+                    kl_of: Callable[[list[dict]], float], guard: tuple[Callable[[list[dict]], int] | None, dict] | None = None,
+                    ) -> tuple[list[dict], dict]:
     """The quality target's allocation over the searched layers (search/targets.py) -> (global rows, the
     manifest's target record without the held-out part). kl_of(rows) measures the model KL of the searched
-    layers' rows on the tuning prompts (target_kl only). Raises ValueError for an unreachable target
-    unless cfg.allow_miss."""
+    layers' rows on the tuning prompts (target_kl only); guard (target_kl only, tuning.retrieval_guard):
+    (misses_of(rows) or None, its record), which moves the KL's choice up the path until no guard answer is
+    lost. Raises ValueError for an unreachable target unless cfg.allow_miss."""
     kind, value = target_of(cfg)
     scored, curves, model = {}, [], None
     for layer in layers:
@@ -499,7 +489,7 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
     rows_of = lambda a: _allocation_rows(a, curves, scored, space)
     path = lagrangian_path(curves)
     measured: dict[int, float] = {}
-    miss = None
+    miss, found = None, None
     if kind == "max_output_error":
         alloc = cap_allocation(curves, value)
         if all(i == DENSE for i in alloc.choices):
@@ -520,6 +510,9 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
             miss = (f"--target-kl {value:g} cannot be met on the calibration data: the densest sparse allocation "
                     f"({_point(path[-2], curves, rows_of(path[-2]))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
                     f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
+        elif guard is not None:
+            alloc, guard_record, guard_miss = _hold_retrieval(path, found.chosen, guard, rows_of, curves)
+            miss = miss or guard_miss
     if miss and not cfg.allow_miss:
         raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
     rows = rows_of(alloc)
@@ -536,12 +529,30 @@ def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: li
         "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
                        "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
         **({"kl_model": model["record"]} if model else {}),
+        **({"retrieval_guard": guard_record} if kind == "target_kl" and guard is not None and found.chosen is not None else {}),
         "calibration": {"data": cfg.data, "achieved": achieved, **point,
                         "kl_prompts": tuning_record(cfg) if kind == "target_kl" else None},
         "curve": curve, "path_points": len(path),
         "dense_heads": [{"layer": l, "head": h, "reason": alloc.reasons[(l, h)]} for l, h in alloc.dense_heads(curves)],
     }
     return rows, record
+
+
+def _hold_retrieval(path, chosen: int, guard, rows_of, curves) -> tuple[Allocation, dict, str | None]:
+    """The KL target's choice path[chosen] moved up the path to the cheapest point that loses no guard answer
+    (search/targets.hold_guard) -> (allocation, the manifest's guard record, a miss line or None)."""
+    misses_of, record = guard
+    if misses_of is None:  # dense answers none of the guard prompts: the KL's choice stands, said so
+        return path[chosen], record, None
+    held, measured = hold_guard(path, chosen, lambda a: misses_of(rows_of(a)))
+    at = lambda i: round(path[i].cost_fraction(curves), 6)
+    record = {**record, "held": held is not None, "kl_choice_cost": at(chosen),
+              "measured": [{"cost_fraction": at(i), "misses": m} for i, m in sorted(measured.items())]}
+    if held is None:
+        top = len(path) - 2
+        return path[chosen], record, (f"the retrieval guard cannot be held: the densest sparse allocation loses {measured[top]} of "
+                                      f"{record['dense_correct']} passkey answers dense gives (--retrieval-guard 0 to turn it off)")
+    return path[held], {**record, "cost": at(held)}, None
 
 
 def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
@@ -696,7 +707,11 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
 
         kl_of = tuning_kl(cfg, model, tokenizer, manifest, sliding, progress)
         started = time.perf_counter()
-        global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of)
+        guard = None
+        if target_of(cfg)[0] == "target_kl" and cfg.retrieval_guard:
+            progress.stage(f"retrieval guard: {cfg.retrieval_guard} passkey prompts, dense")
+            guard = retrieval_guard(cfg, model, tokenizer, manifest, sliding, progress)
+        global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of, guard)
         target["seconds"] = round(time.perf_counter() - started, 1)
         rows = sliding + global_rows
         mm["objective"] = f"target {target['kind']}"
@@ -774,54 +789,6 @@ def held_out_fidelity(cfg: CalibrateConfig, model, tokenizer, manifest: dict, ro
                                  tokens=cfg.eval_tokens or cfg.max_tokens, seed=cfg.seed, min_tokens=VERIFY_MIN_TOKENS)
                for spec in eval_specs(cfg.eval_data)]
     return reports[0] if len(reports) == 1 else {**reports[0], "also": reports[1:]}
-
-
-def tuning_samples(cfg: CalibrateConfig, tokenizer) -> list:
-    """The prompts a --target-kl is tuned on: calibration samples ``cfg.samples .. cfg.samples + tune_samples - 1``
-    of the calibration stream (``load_calibration`` with the run's seed) — the calibration part of the data
-    (never ``held_out``'s part: held-out data only verifies), and not the samples the heads were searched on
-    (their errors were fitted there, so a KL measured on them would flatter the allocation)."""
-    from .data import load_calibration
-
-    stream = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples + cfg.tune_samples, seed=cfg.seed)
-    found = stream[cfg.samples:]
-    if not found:
-        raise ValueError(f"--data {cfg.data}: no calibration sample is left for tuning --target-kl after the {cfg.samples} searched")
-    return found
-
-
-def tuning_reference(cfg: CalibrateConfig, model, tokenizer):
-    """The dense run over ``tuning_samples`` (fidelity.Reference), computed once per target search."""
-    from .fidelity import dense_reference
-
-    return dense_reference(model, tokenizer, tuning_samples(cfg, tokenizer), data=f"{cfg.data} (tuning)")
-
-
-def tuning_kl(cfg: CalibrateConfig, model, tokenizer, manifest: dict, fixed_rows: list[dict],
-              progress: Progress | None = None) -> Callable[[list[dict]], float]:
-    """kl_of for ``allocate_target``: rows of the searched layers -> the teacher-forced KL(dense || sparse) of
-    the model with ``fixed_rows`` + those rows, on the tuning prompts (``fidelity_kl``). The dense run over
-    the prompts is made on the first call and reused by every later one: only the sparse side changes
-    between the points of a target search."""
-    from .fidelity import evaluate_against
-
-    progress = progress or Progress()
-    reference = functools.cache(lambda: tuning_reference(cfg, model, tokenizer))
-
-    def kl_of(rows: list[dict]) -> float:
-        density = sum(r["density"] for r in rows) / len(rows)
-        progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {density:.1%}")
-        fid = evaluate_against(model, tokenizer, manifest, fixed_rows + rows, reference(), min_tokens=VERIFY_MIN_TOKENS)
-        return fidelity_kl(fid)[1]
-
-    return kl_of
-
-
-def tuning_record(cfg: CalibrateConfig) -> dict:
-    """The manifest's account of the tuning prompts."""
-    return {"data": cfg.data, "part": "calibration", "samples": cfg.tune_samples, "seed": cfg.seed,
-            "stream_indices": [cfg.samples, cfg.samples + cfg.tune_samples - 1],
-            "why": "calibration-stream samples after the searched ones: disjoint from the search's samples and from held-out data"}
 
 
 def _dense_cutoff(cfg: CalibrateConfig, rows: list[dict], info, model) -> dict:

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sparsesearch.artifacts import load_artifact
-from sparsesearch.calibrate import CalibrateConfig, calibrate, fidelity_kl
+from sparsesearch.calibrate import CalibrateConfig, calibrate
+from sparsesearch.tuning import fidelity_kl
 from sparsesearch.runtime.plan import DEFAULT_MIN_TOKENS, artifact_min_tokens, build_plan
 from sparsesearch.search.cutoff import cutoff_from, ladder, measure_cutoff, runtime_min_tokens
 from sparsesearch_cli.app import app
@@ -102,6 +103,7 @@ def test_max_output_error_caps_every_sparse_head(tiny_model, space_file, tmp_pat
     (["--latency-budget", "1.5"], "fraction of the dense cost in (0, 1), got 1.5"),
     (["--target-kl", "1e-3", "--max-output-error", "0.1"], "at most one quality target"),
     (["--allow-miss"], "--allow-miss needs a target"),
+    (["--target-kl", "1e-3", "--retrieval-guard", "-1"], "--retrieval-guard must be >= 0, got -1"),
 ])
 def test_bad_targets_exit_2_with_one_line(tiny_model, space_file, tmp_path, extra, message):
     result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "a", "--eval-data", "", *extra))

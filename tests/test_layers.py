@@ -22,7 +22,7 @@ FLOORS = (
     ("data", ("artifacts", "models", "data")),
     ("runtime", ("runtime",)),
     ("services", ("search", "fidelity", "report", "preflight", "export")),
-    ("methods", ("calibrate", "probe", "nosa", "spava", "pareto", "kernel_tuning", "selfcheck")),
+    ("methods", ("calibrate", "tuning", "probe", "nosa", "spava", "pareto", "kernel_tuning", "selfcheck")),
 )
 FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 

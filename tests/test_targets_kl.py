@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sparsesearch import fidelity
-from sparsesearch.calibrate import CalibrateConfig, fidelity_kl, tuning_kl, tuning_samples
+from sparsesearch.calibrate import CalibrateConfig
+from sparsesearch.tuning import fidelity_kl, tuning_kl, tuning_samples
 from sparsesearch.fidelity import evaluate_fidelity
 from test_fidelity import _ashape_artifact
 from tiny_model import make_tiny_model

@@ -292,3 +292,14 @@ def kl_model_path(curves: list[HeadCurve], sensitivity: dict[int, float]) -> tup
 def predicted_kl(model_curves: list[HeadCurve], alloc: Allocation) -> float:
     """The KL model's value of an allocation: the sum of its heads' predicted shares (kl_model_curves)."""
     return sum(c.error_of(i) for c, i in zip(model_curves, alloc.choices))
+
+
+def hold_guard(path: list[Allocation], start: int, misses: Callable[[Allocation], int]) -> tuple[int | None, dict[int, int]]:
+    """The cheapest path index >= start (the quality target's choice) at which a guard misses nothing — the
+    retrieval guard (sparsesearch/tuning.py): answers dense gives that the point loses — its misses assumed
+    non-increasing along the path, as heads go denser. A step on the path only adds density, so every point
+    past start still meets the KL target. Measured: the densest sparse point first (if it misses, no sparse
+    point holds: None), then start, then bisection. Returns (index or None, {path index: misses measured})."""
+    found = search_target(path[start:], misses, 0)
+    measured = {start + i: int(v) for i, v in found.measured.items()}
+    return (None if found.chosen is None else start + found.chosen), measured

@@ -1,0 +1,124 @@
+"""The prompts a ``--target-kl`` search is held on, and what it measures there.
+
+- the KL: teacher-forced KL(dense || sparse) over every position of ``tune_samples`` calibration prompts
+  after the searched ones (``tuning_kl``), the value the Lagrangian path is bisected on;
+- the retrieval guard: ``retrieval_guard`` passkey prompts at the calibration length, a point passing when
+  every prompt dense answers right is answered right with the sparse runtime too (``retrieval_guard``).
+  Average KL cannot see a lost needle: on Gemma 3 270M at 8K (H200, RESULTS Run 33) the wide-space
+  ``--target-kl 0.02`` artifact held teacher-forced KL 0.0048 on the passkey prompts while answering 14 of
+  the 17 that dense answered (streaming heads in the global layers drop the middle of the context); the
+  answer token is one position of thousands. The guard moves the KL target's choice up the path to the
+  cheapest point that loses no answer.
+
+Everything is measured through the sparse runtime with ``VERIFY_MIN_TOKENS`` (the patterns' quality at every
+length, not the dense cut-off's); dense runs are made once per search and reused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .calibrate import CalibrateConfig
+
+VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
+GUARD_DATA = "synthetic:passkey"  # one needle at a seeded depth in filler text: the retrieval a streaming head loses
+
+
+def fidelity_kl(fidelity: dict) -> tuple[str, float]:
+    """(key, value) of the KL a target is held against in an ``evaluate_fidelity`` result: the teacher-forced
+    KL averaged over every position of the prompts (``teacher_forced.kl_mean``) when the report has it — one
+    next-token KL per prompt is a single sampled position, too noisy to bisect on — else the first key
+    naming a KL with a number (reports written before teacher forcing: ``next_token_kl``)."""
+    tf = fidelity.get("teacher_forced")
+    if isinstance(tf, dict) and isinstance(tf.get("kl_mean"), (int, float)):
+        return "teacher_forced.kl_mean", float(tf["kl_mean"])
+    for key, value in fidelity.items():
+        if "kl" in key.split("_") and isinstance(value, (int, float)):
+            return key, float(value)
+    raise ValueError(f"fidelity result has no KL to hold a --target-kl against (keys: {sorted(fidelity)})")
+
+
+def tuning_samples(cfg: "CalibrateConfig", tokenizer) -> list:
+    """The prompts a --target-kl is tuned on: calibration samples ``cfg.samples .. cfg.samples + tune_samples - 1``
+    of the calibration stream (``load_calibration`` with the run's seed) — the calibration part of the data
+    (never ``held_out``'s part: held-out data only verifies), and not the samples the heads were searched on
+    (their errors were fitted there, so a KL measured on them would flatter the allocation)."""
+    from .data import load_calibration
+
+    stream = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples + cfg.tune_samples, seed=cfg.seed)
+    found = stream[cfg.samples:]
+    if not found:
+        raise ValueError(f"--data {cfg.data}: no calibration sample is left for tuning --target-kl after the {cfg.samples} searched")
+    return found
+
+
+def tuning_reference(cfg: "CalibrateConfig", model, tokenizer):
+    """The dense run over ``tuning_samples`` (fidelity.Reference), computed once per target search."""
+    from .fidelity import dense_reference
+
+    return dense_reference(model, tokenizer, tuning_samples(cfg, tokenizer), data=f"{cfg.data} (tuning)")
+
+
+def tuning_kl(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
+              progress=None) -> Callable[[list[dict]], float]:
+    """kl_of for ``allocate_target``: rows of the searched layers -> the teacher-forced KL(dense || sparse) of
+    the model with ``fixed_rows`` + those rows, on the tuning prompts (``fidelity_kl``). The dense run over
+    the prompts is made on the first call and reused by every later one: only the sparse side changes
+    between the points of a target search."""
+    from .fidelity import evaluate_against
+
+    reference = functools.cache(lambda: tuning_reference(cfg, model, tokenizer))
+
+    def kl_of(rows: list[dict]) -> float:
+        density = sum(r["density"] for r in rows) / len(rows)
+        if progress is not None:
+            progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {density:.1%}")
+        fid = evaluate_against(model, tokenizer, manifest, fixed_rows + rows, reference(), min_tokens=VERIFY_MIN_TOKENS)
+        return fidelity_kl(fid)[1]
+
+    return kl_of
+
+
+def tuning_record(cfg: "CalibrateConfig") -> dict:
+    """The manifest's account of the tuning prompts."""
+    return {"data": cfg.data, "part": "calibration", "samples": cfg.tune_samples, "seed": cfg.seed,
+            "stream_indices": [cfg.samples, cfg.samples + cfg.tune_samples - 1],
+            "why": "calibration-stream samples after the searched ones: disjoint from the search's samples and from held-out data"}
+
+
+def guard_samples(cfg: "CalibrateConfig", tokenizer) -> list:
+    """``cfg.retrieval_guard`` passkey prompts at the calibration length: the synthetic stream's seeds
+    ``cfg.seed ..``, disjoint from the held-out prompts (seeded from 10_000 on, data.calibration.held_out)."""
+    from .data import load_calibration
+
+    return load_calibration(GUARD_DATA, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.retrieval_guard, seed=cfg.seed)
+
+
+def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
+                    progress=None) -> tuple[Callable[[list[dict]], int] | None, dict]:
+    """misses_of for ``allocate_target``: rows of the searched layers -> how many guard prompts that dense
+    answers right the model with ``fixed_rows`` + those rows answers wrong (greedy, the answer's tokens).
+    Returns (misses_of, the manifest's record); misses_of is None when dense answers none (nothing to hold)."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from .fidelity import attend
+
+    samples = guard_samples(cfg, tokenizer)
+    dense = [g.correct is True for g in attend(model, tokenizer, samples).generations]
+    record = {"data": GUARD_DATA, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
+              "dense_correct": sum(dense)}
+    if not any(dense):
+        return None, {**record, "held": None, "why": f"dense answers 0 of {len(samples)} guard prompts: nothing to hold"}
+
+    def misses_of(rows: list[dict]) -> int:
+        if progress is not None:
+            progress.stage(f"retrieval guard: {len(samples)} passkey prompts through the runtime")
+        artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(fixed_rows + rows))
+        sparse = attend(model, tokenizer, samples, artifact, min_tokens=VERIFY_MIN_TOKENS)
+        return sum(d and g.correct is not True for d, g in zip(dense, sparse.generations))
+
+    return misses_of, record

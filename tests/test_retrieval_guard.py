@@ -1,0 +1,72 @@
+"""The retrieval guard of --target-kl (sparsesearch/tuning.py, search/targets.hold_guard): the KL target's
+choice moves up the path to the cheapest point that loses no passkey answer dense gives; a guard that the
+densest sparse point still fails is a miss; a guard dense cannot answer is recorded and left out."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsesearch.calibrate import CalibrateConfig, _hold_retrieval
+from sparsesearch.search.targets import DENSE, Allocation, HeadCurve, hold_guard
+from sparsesearch.tuning import GUARD_DATA, retrieval_guard
+from tiny_model import make_tiny_model
+
+CURVE = HeadCurve(layer=0, head=0, cost=(1.0, 2.0, 3.0, 4.0), error=(0.4, 0.3, 0.2, 0.1), dense_cost=5.0)
+PATH = [Allocation([0]), Allocation([1]), Allocation([2]), Allocation([3]), Allocation([DENSE])]
+
+
+def _misses(table: dict[int, int]):
+    """misses_of over rows_of's one row: the candidate index -> misses, and the calls it saw."""
+    calls = []
+
+    def misses_of(rows):
+        calls.append(rows[0]["choice"])
+        return table[rows[0]["choice"]]
+
+    return misses_of, calls
+
+
+def _rows(a: Allocation) -> list[dict]:
+    return [{"choice": a.choices[0]}]
+
+
+@pytest.mark.parametrize("start, table, expected", [
+    (0, {0: 2, 1: 1, 2: 0, 3: 0}, 2),  # moved up two points
+    (1, {0: 2, 1: 0, 2: 0, 3: 0}, 1),  # the KL's choice already holds: it stands
+    (0, {0: 3, 1: 2, 2: 1, 3: 1}, None),  # even the densest sparse point loses an answer
+])
+def test_hold_guard_finds_the_cheapest_point_at_or_past_the_start(start, table, expected):
+    misses_of, calls = _misses(table)
+    held, measured = hold_guard(PATH, start, lambda a: misses_of(_rows(a)))
+    assert held == expected
+    assert calls[0] == 3, "the densest sparse point is measured first: if it misses, nothing cheaper is tried"
+    assert all(i >= start for i in measured) and DENSE not in calls, "never below the KL's choice, never all-dense"
+    if held is not None:
+        assert measured[held] == 0 and all(measured[i] > 0 for i in measured if i < held)
+
+
+def test_hold_retrieval_records_the_move_and_the_miss():
+    misses_of, _ = _misses({0: 2, 1: 1, 2: 0, 3: 0})
+    alloc, record, miss = _hold_retrieval(PATH, 0, (misses_of, {"dense_correct": 3}), _rows, [CURVE])
+    assert alloc is PATH[2] and miss is None
+    assert record["held"] and record["kl_choice_cost"] == 0.2 and record["cost"] == 0.6
+    assert [m["cost_fraction"] for m in record["measured"]] == sorted(m["cost_fraction"] for m in record["measured"])
+
+    failing, _ = _misses({0: 3, 1: 2, 2: 1, 3: 1})
+    alloc, record, miss = _hold_retrieval(PATH, 0, (failing, {"dense_correct": 3}), _rows, [CURVE])
+    assert alloc is PATH[0] and not record["held"]
+    assert miss.startswith("the retrieval guard cannot be held: the densest sparse allocation loses 1 of 3")
+
+    alloc, record, miss = _hold_retrieval(PATH, 1, (None, {"dense_correct": 0, "why": "nothing to hold"}), _rows, [CURVE])
+    assert alloc is PATH[1] and miss is None and record["why"] == "nothing to hold"
+
+
+def test_a_guard_dense_cannot_answer_is_recorded_not_applied(tmp_path):
+    from sparsesearch.models import load_model
+
+    model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
+    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=2)
+    misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
+    assert misses_of is None  # a random tiny model answers no passkey
+    assert record["data"] == GUARD_DATA and record["prompts"] == 2 and record["dense_correct"] == 0
+    assert record["held"] is None and "nothing to hold" in record["why"]
