@@ -56,21 +56,31 @@ PY
     pids=()
     for i in "${!plan[@]}"; do
         # shellcheck disable=SC2086  # the shard's file list splits on spaces
-        CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=$threads python3 -m pytest -q -m '' -p no:cacheprovider "$@" ${plan[$i]} >"$log.$i" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$((i % gpus)) OMP_NUM_THREADS=$threads python3 -m pytest -q -rfE -m '' -p no:cacheprovider \
+            --junitxml="$log.$i.xml" "$@" ${plan[$i]} >"$log.$i" 2>&1 &
         pids+=($!)
     done
     status=0
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-    cat "$log".[0-9]* >"$log"
+    for i in "${!plan[@]}"; do cat "$log.$i"; done >"$log"
     grep -E '^(FAILED|ERROR) ' "$log" || true
-    # sum the shards' "N passed, M skipped, ..." lines
-    summary=$(for i in "${!plan[@]}"; do grep -E '(passed|failed|error)' "$log.$i" | tail -n 1; done | python3 -c '
-import re, sys
-tot = {}
-for line in sys.stdin:
-    for count, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|warnings?)", line):
-        tot[word] = tot.get(word, 0) + int(count)
-print(", ".join(f"{v} {k}" for k, v in tot.items()))')
+    # sum the shards' JUnit files (a pytest -q given on top of the script's own -q drops the "N passed" line)
+    summary=$(python3 - "$log" "${#plan[@]}" <<'PY'
+import sys, xml.etree.ElementTree as ET
+tot = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+for i in range(int(sys.argv[2])):
+    try:
+        root = ET.parse(f"{sys.argv[1]}.{i}.xml").getroot()
+    except (OSError, ET.ParseError):
+        tot["errors"] += 1  # a shard that wrote no report (killed, or crashed at collection)
+        continue
+    for suite in root.iter("testsuite"):
+        for k in tot:
+            tot[k] += int(suite.get(k, 0))
+passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+print(f"{passed} passed, {tot['skipped']} skipped, {tot['failures']} failed, {tot['errors']} errors")
+PY
+)
     summary="$summary in $shards shards"
 fi
 summary="$summary, $((SECONDS - started)) s"

@@ -132,6 +132,18 @@ def test_verdicts_beaten_not_beaten_and_out_of_range():
     assert verdicts([_row("ashape", "x", 0.3, 0.1)])[0]["verdict"] == "no searched points"
 
 
+def test_a_baseline_dearer_than_dense_is_no_win_for_the_search():
+    """A baseline costing at least dense is beaten by the model's own attention: "dearer than dense", no
+    claim for the search, however lossy it is; one below dense is judged against the curve to (1, 0)."""
+    rows = [_row("searched", "a", 0.5, 0.02, True), _row("searched", "b", 1.15, 0.005, True),
+            _row("minference", "dear", 1.4, 0.004), _row("topk", "dear and lossy", 1.1, 0.03), _row("topk", "at dense", 1.0, 0.001),
+            _row("ashape", "below dense", 0.8, 0.03), _row("dense", "dense", 1.06, 0.002)]
+    got = {v["label"]: v for v in verdicts(rows)}
+    assert {got[k]["verdict"] for k in ("dear", "dear and lossy", "at dense")} == {"dearer than dense"}
+    # between (0.5, 0.02) and (1, 0): at 0.8 the curve's KL is 0.008, 0.27x the baseline's
+    assert got["below dense"]["verdict"] == "beaten" and got["below dense"]["kl_ratio"] == pytest.approx(0.008 / 0.03, abs=1e-6)
+
+
 # ---- a whole run --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
