@@ -90,7 +90,7 @@ def tune_launches(blocks: Sequence[int] = (64, 128), head_dims: Sequence[int] = 
                   progress: Callable[[str], None] | None = None) -> dict:
     """Tune every (block, head_dim) on the current CUDA device; record the fastest configs (``write``) in the launch
     table. Returns the device, the table's path and env, and one result per pair (tune_one)."""
-    from .search.cost import cache_env
+    from .kernels.version import cache_env
 
     check_args(blocks, head_dims, tokens, heads, kv_heads, density)
     if not torch.cuda.is_available():

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from sparsesearch.artifacts import load_artifact
 from sparsesearch.calibrate import CalibrateConfig, calibrate
 from sparsesearch.tuning import fidelity_kl
-from sparsesearch.runtime.plan import DEFAULT_MIN_TOKENS, artifact_min_tokens, build_plan
-from sparsesearch.search.cutoff import cutoff_from, ladder, measure_cutoff, runtime_min_tokens
+from sparsesearch.runtime.plan import DEFAULT_MIN_TOKENS, artifact_min_tokens, build_plan, runtime_min_tokens
+from sparsesearch.search.cutoff import cutoff_from, ladder, measure_cutoff
 from sparsesearch_cli.app import app
 from test_calibrate import SPACE
 from tiny_model import make_tiny_model

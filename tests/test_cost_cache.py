@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from sparsesearch.search.cost import MeasuredCost, cache_env, kernel_version
+from sparsesearch.kernels.version import cache_env, kernel_version
+from sparsesearch.search.cost import MeasuredCost
 
 
 def test_cache_round_trips_under_its_stamp(tmp_path):

@@ -11,7 +11,7 @@ from sparsesearch import kernel_tuning
 from sparsesearch.kernels import block_sparse, launch_table
 from sparsesearch.kernels.launch_table import (candidates, config_key, default_path, device_configs, fastest, read_table,
                                                write_configs)
-from sparsesearch.search.cost import cache_env
+from sparsesearch.kernels.version import cache_env
 
 GPU = "Fake GPU 80GB"
 ENV = {"torch": "2.0", "triton": "3.0", "kernels": "0" * 16, "device": GPU}

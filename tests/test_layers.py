@@ -29,13 +29,10 @@ FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 # (importing module, imported top-level name): the back-arrows to remove, each a P13 item.
 KNOWN = {
     ("sparsesearch.execute", "models"),  # the executor reads ModelInfo for head counts
-    ("sparsesearch.kernels.launch_table", "search"),  # the environment stamp lives in search/cost.py
     ("sparsesearch.patterns.block_topk", "kernels"),  # fused index builds: patterns call kernels
     ("sparsesearch.patterns.vertical_slash", "kernels"),
-    ("sparsesearch.report.probe_plot", "probe"),
     ("sparsesearch.runtime.hf", "nosa"),  # the runtime routes every call through nosa.engine.route
     ("sparsesearch.runtime.offload_cache", "nosa"),
-    ("sparsesearch.runtime.plan", "search"),  # the dense cut-off is read through search/cutoff.py
 }
 
 

@@ -9,7 +9,7 @@ head_dim), and records it here:
     {"schema_version": 1, "devices": {"NVIDIA H200": {"env": {torch, triton, kernels, device},
                                                       "configs": {"64x128": {"TILE_N": 64, "num_warps": 4, ...}}}}}
 
-A device's entry holds only for the torch, Triton and kernel versions it was measured under (``search.cost.cache_env``,
+A device's entry holds only for the torch, Triton and kernel versions it was measured under (``version.cache_env``,
 the cost cache's stamp): one stamped otherwise, or malformed, is ignored with a warning and never trusted. Hopper's
 warp-specialized kernel (block_sparse_ws.py) has its own measured plan and does not read the table; the launches it
 does not take (regions, grid lines, varlen, 128-row blocks, query-space indexes) do.
@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 from ..files import locked, write_json_atomic
 from ..user_cache import user_cache_dir
+from .version import cache_env
 
 SCHEMA_VERSION = 1
 TUNED = ("TILE_N", "num_warps", "num_stages")  # what an entry may set; the rest stays the device default
@@ -102,8 +103,6 @@ def tuned_config(device_name: str, block_n: int, head_dim: int) -> dict[str, int
     """This device's measured config for (block_n, head_dim) from the default table, or None. Its caller,
     block_sparse._device_config, is cached per key, so the table is read once per process and key: a table written
     later is seen by the next process."""
-    from ..search.cost import cache_env
-
     path = default_path()
     configs = device_configs(read_table(path), device_name, cache_env(device_name), path)
     return configs.get(config_key(block_n, head_dim))

@@ -100,7 +100,7 @@ def run_probe(cfg: ProbeConfig, stage: Callable[[str], None] = lambda s: None, t
     try:
         from ..report.probe_plot import draw_probe
 
-        plot = draw_probe(result, start, validated, info, cfg.out.with_name(cfg.out.name + ".png"))
+        plot = draw_probe(result, start, validated, info, cfg.out.with_name(cfg.out.name + ".png"), SECTIONS)
     except ImportError:
         plot = None
     work.remove()  # the artifact and its plot are written: nothing of the run is left beside them

@@ -8,13 +8,13 @@ from pathlib import Path
 from . import save_png
 
 
-def draw_probe(result, start: int, validated: int | None, info, path: Path) -> Path:
+def draw_probe(result, start: int, validated: int | None, info, path: Path, sections: tuple[str, ...]) -> Path:
+    """``sections``: the names of the result's last axis, in its order (the probe's SECTIONS; passed in, as
+    the report sits below the probe)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..probe.probe import SECTIONS
 
     layers = list(range(result.grad_mean.shape[0]))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -23,7 +23,7 @@ def draw_probe(result, start: int, validated: int | None, info, path: Path) -> P
               ("mean |dy/dθ| (sum over heads)", result.abs_mean, result.abs_se),
               ("Att: mean probability (sum over heads)", result.att_mean, result.att_se))
     for ax, (title, mean, se) in zip(axes, panels):
-        for i, sec in enumerate(SECTIONS):
+        for i, sec in enumerate(sections):
             m = mean[:, :, i].sum(1).numpy()
             e = se[:, :, i].pow(2).sum(1).sqrt().numpy()  # heads summed: their errors add in quadrature
             ax.errorbar(layers, m, yerr=e, label=sec, color=colors[sec], marker="o", markersize=2.5, linewidth=1, capsize=1.5)

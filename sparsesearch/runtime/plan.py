@@ -67,9 +67,13 @@ def artifact_min_tokens(manifest: dict) -> int:
     cutoff = ((manifest.get("methods") or {}).get("mminference") or {}).get("dense_cutoff")
     if not cutoff:
         return DEFAULT_MIN_TOKENS
-    from ..search.cutoff import runtime_min_tokens
-
     return runtime_min_tokens(cutoff)
+
+
+def runtime_min_tokens(cutoff: dict) -> int:
+    """The runtime threshold a cut-off record implies: its min_tokens, or one past the longest measured
+    length when sparse never won (dense wherever it was measured to be faster)."""
+    return cutoff["min_tokens"] if cutoff.get("min_tokens") is not None else int(cutoff["measured_up_to"]) + 1
 
 
 def build_plan(manifest: dict, heads, info: ModelInfo, *, min_tokens: int | None = None, last_row_only: bool = False) -> Plan:

@@ -69,27 +69,6 @@ class AnalyticCost:
         return analytic_ms(pattern, density.double() * causal_entries(n), q.shape[-1], n)
 
 
-def kernel_version(kernels: Path | None = None) -> str:
-    """sha256 (16 hex) of the Triton kernels' source (``kernels``: their directory, default ours): any
-    change to a kernel is a new version."""
-    import hashlib
-
-    kernels = kernels or Path(__file__).resolve().parents[1] / "kernels"
-    digest = hashlib.sha256()
-    for path in sorted(kernels.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def cache_env(device_name: str | None = None) -> dict[str, str]:
-    """What a measured time depends on besides its key: the torch, Triton and kernel versions, and the GPU
-    (``device_name``, e.g. "NVIDIA H200") when the cache is for one."""
-    import triton
-
-    env = {"torch": torch.__version__, "triton": triton.__version__, "kernels": kernel_version()}
-    return env if device_name is None else {**env, "device": device_name}
-
-
 def launch_features(index) -> list[float] | None:
     """What a block-sparse launch does, as the cost table's regressors: [1, full blocks, partial blocks,
     gathered columns in blocks of block_n, row programs]; None for an index that is not a BlockIndex."""
@@ -166,10 +145,10 @@ def _flush_if_alive(ref: weakref.ref) -> None:
 
 class MeasuredCost:
     """Times are cached per (device name, shape, pattern, density) in a JSON file stamped with
-    ``cache_env(device_name)``, with the cost table's points beside them; a file stamped otherwise (another
-    install, older kernels, another GPU) or unreadable is ignored with a warning and replaced on the next
-    write, never trusted. ``timed`` / ``priced`` count launches measured and launches the table priced;
-    ``interpolate=False`` times every launch the exact keys miss (the table still learns).
+    ``kernels.version.cache_env(device_name)``, with the cost table's points beside them; a file stamped
+    otherwise (another install, older kernels, another GPU) or unreadable is ignored with a warning and
+    replaced on the next write, never trusted. ``timed`` / ``priced`` count launches measured and launches
+    the table priced; ``interpolate=False`` times every launch the exact keys miss (the table still learns).
 
     Several processes may share the file (two ``calibrate`` runs on one machine): each write merges this
     process's measurements into what the file holds now, under the file's lock, and writes it whole, so no
@@ -180,6 +159,10 @@ class MeasuredCost:
     def __init__(self, cache_path: Path | None = None, reps: int = 5, device_name: str | None = None, interpolate: bool = True):
         self.reps, self.interpolate = reps, interpolate
         self.cache_path = cache_path or user_cache_dir() / "costs.json"
+        # imported here, not at the top: the kernels package loads Triton and every kernel, and the search
+        # imports this module also where it only prices with AnalyticCost and never takes a stamp
+        from ..kernels.version import cache_env
+
         self.env = cache_env(device_name)
         stored = self._read()
         self._cache = stored.get("costs", {})

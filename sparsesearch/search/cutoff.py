@@ -125,12 +125,6 @@ def cutoff_from(points: list[dict]) -> int | None:
     return found
 
 
-def runtime_min_tokens(cutoff: dict) -> int:
-    """The runtime threshold a cut-off record implies: its min_tokens, or one past the longest measured
-    length when sparse never won (dense wherever it was measured to be faster)."""
-    return cutoff["min_tokens"] if cutoff.get("min_tokens") is not None else int(cutoff["measured_up_to"]) + 1
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
