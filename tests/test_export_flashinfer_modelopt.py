@@ -182,6 +182,53 @@ def test_modelopt_block_names_dense_layers_and_the_measured_sparsity(tmp_path):
     assert block["producer"]["name"] == "sparsesearch"
 
 
+# ModelOpt's reader runs in a child process: importing modelopt.torch registers its plugins with torch and
+# transformers, which must not leak into the other tests of this process.
+_READER = """
+import json, sys
+from types import SimpleNamespace
+from modelopt.torch.sparsity.attention_sparsity.plugins import sparse_attn_config as reader
+block, modules = json.loads(sys.stdin.read())
+got = reader.load_from_checkpoint_metadata(SimpleNamespace(sparse_attention_config=block))
+print(json.dumps(None if got is None else {"preset": got[1], "cfg": got[0],
+                                           "match": {m: reader.match_sparse_config(m, got[0]) for m in modules}}))
+"""
+
+
+def _modelopt_reads(block: dict, modules: list[str]) -> dict | None:
+    """nvidia-modelopt's load_from_checkpoint_metadata on a config holding ``block``, and its per-module match."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _READER], input=json.dumps([block, modules]), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_modelopt_own_reader_resolves_our_block_as_check_export_says(tmp_path):
+    """nvidia-modelopt 0.47's serving reader (the `modelopt` test extra; the function ModelOpt's vLLM plugin
+    calls) on CPU. It takes our block from a config, and with no calibrated threshold_scale_factor resolves it
+    to its Triton skip-softmax preset: our ignore list and sparsity are not applied, as check-export's note
+    and docs/deploying.md say. A ModelOpt calibration's fitted factor (a, b per phase) added to the same block
+    makes it apply them: the layer we keep dense is disabled, every other attention module runs skip-softmax
+    at our measured sparsity."""
+    pytest.importorskip("modelopt")
+    rows = [row(0, h, "ashape", dict(sink=64, local=256), density=0.2 + 0.1 * h) for h in range(4)]
+    rows += [row(1, h, "dense", density=1.0) for h in range(4)]
+    block = export_modelopt(load(tmp_path, rows, space="query"))
+    layers = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    got = _modelopt_reads(block, layers)
+    assert got is not None and got["preset"] == "SKIP_SOFTMAX_TRITON_DEFAULT"
+    assert layers[1] not in json.dumps(got["cfg"]), "uncalibrated: ModelOpt does not read our ignore list"
+
+    block["config_groups"]["group_0"]["threshold_scale_factor"] = {"prefill": {"a": 1.0, "b": 0.5}}  # a calibration's fit
+    got = _modelopt_reads(block, layers)
+    assert got["preset"] == "CHECKPOINT_CALIBRATED_SOFTMAX_SKIP"
+    assert got["match"][layers[1]] == {"enable": False}
+    assert got["match"][layers[0]]["enable"] and got["match"][layers[0]]["target_sparse_ratio"]["prefill"] == pytest.approx(0.65)
+
+
 def test_cli_modelopt_then_check_export(tmp_path, tiny_dir):
     art = make_artifact(tmp_path / "A")
     out = tmp_path / "modelopt.json"
