@@ -30,9 +30,9 @@ import torch
 
 
 def _point_rows(path, curves, scored, space, i):
-    from sparsesearch.calibrate import _allocation_rows
+    from sparsesearch.search.allocate import allocation_rows
 
-    return _allocation_rows(path[i], curves, scored, space)
+    return allocation_rows(path[i], curves, scored, space)
 
 
 def _only_layer(rows: list[dict], layer: int) -> list[dict]:
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from sparsesearch.artifacts.manifest import new_manifest
-    from sparsesearch.calibrate import CalibrateConfig, _layer_curves, _point
+    from sparsesearch.calibrate import CalibrateConfig
+    from sparsesearch.search.allocate import curve_point, layer_curves
     from sparsesearch.tuning import tuning_samples
     from sparsesearch.data import held_out
     from sparsesearch.fidelity import dense_reference
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     space = load_space(None)
     scored, curves = {}, []
     for layer in info.global_layers:
-        scored[layer], cs = _layer_curves(args.partial, layer, args.samples)
+        scored[layer], cs = layer_curves(args.partial, layer, args.samples)
         curves.extend(cs)
     path = lagrangian_path(curves)
     manifest = new_manifest(info, head_index_space="kv", provenance={"kind": "calibrated", "source": args.data},
@@ -98,12 +99,12 @@ def main(argv=None) -> int:
         out["seconds"] = round(time.perf_counter() - started, 1)
         args.out.write_text(json.dumps(out, indent=1))
 
-    densities = [_point(a, curves, _point_rows(path, curves, scored, space, i))["mean_density"] for i, a in enumerate(path)]
+    densities = [curve_point(a, curves, _point_rows(path, curves, scored, space, i))["mean_density"] for i, a in enumerate(path)]
     wanted = sorted({min(range(len(path) - 1), key=lambda i: abs(densities[i] - float(d))) for d in args.densities.split(",") if d})
     for i in wanted:
         rows = _point_rows(path, curves, scored, space, i)
         t = time.perf_counter()
-        row = {"index": i, **_point(path[i], curves, rows), "kl_tuning": _kl(model, tok, manifest, rows, tune),
+        row = {"index": i, **curve_point(path[i], curves, rows), "kl_tuning": _kl(model, tok, manifest, rows, tune),
                "kl_held_out": _kl(model, tok, manifest, rows, held)}
         row["seconds"] = round(time.perf_counter() - t, 1)
         out["points"].append(row)
@@ -129,12 +130,12 @@ def main(argv=None) -> int:
             save()
 
     if args.samples >= 2:
-        from sparsesearch.calibrate import _scope_path, GLOBAL, _scored_from_json
+        from sparsesearch.search.workfiles import GLOBAL, scope_path, scores_from_json
 
         per = []
         for layer in info.global_layers:
-            s0, _, _ = _scored_from_json(json.loads(_scope_path(args.partial, 0, layer, GLOBAL).read_text()))
-            s1, _, _ = _scored_from_json(json.loads(_scope_path(args.partial, 1, layer, GLOBAL).read_text()))
+            s0, _, _ = scores_from_json(json.loads(scope_path(args.partial, 0, layer, GLOBAL).read_text()))
+            s1, _, _ = scores_from_json(json.loads(scope_path(args.partial, 1, layer, GLOBAL).read_text()))
             for c0, c1 in zip(s0, s1):
                 per.extend(zip(c0.error.tolist(), c1.error.tolist()))
         e0, e1 = torch.tensor(per).T

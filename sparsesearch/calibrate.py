@@ -36,22 +36,19 @@ from typing import Callable
 
 import torch
 
-from .artifacts.columns import ALL_MODALITIES, WINDOW_BLOCK, row_from_params, window_params, window_row
+from .artifacts.columns import WINDOW_BLOCK, window_params, window_row
 from .artifacts.summary import effective_densities
-from .files import write_json_atomic
-from .patterns import PARAMS
 from .models.split import check_gpus, check_split, gpu_count
 from .search.cost import cost_model_for
 from .search.spread import Spread
 from .patterns.dense import DenseParams
-from .search.layer import OBJECTIVES, Scored, Timings, head_rows, mean_scored, score_candidate, score_layer
-from .patterns.boundary import BOUNDARIES, scope_name, split_scope
+from .search.layer import OBJECTIVES, Timings, artifact_row, head_rows, mean_scored, score_candidate, score_layer
+from .patterns.boundary import BOUNDARIES
 from .search.boundary import TOLERANCE, ScopeResult, choose_boundary, search_modal_layer
 from .search.space import MODALITY_NAMES, Candidate, load_space
-from .search.targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_path, kl_sensitivity,
-    hold_guard, lagrangian_path, only_layer, probe_allocation, search_target,
-)
+from .search.allocate import TargetRequest, allocate_target
+from .search.targets import check_target
+from .search.workfiles import GLOBAL, boundary_path, layer_done, scope_files, scope_path, scores_from_json, scores_to_json, write_state
 from .tuning import VERIFY_MIN_TOKENS, fidelity_kl, retrieval_guard, tuning_kl, tuning_record
 
 # The command line's default target (issue P11 §3): every head its cheapest candidate whose attention output is
@@ -59,7 +56,6 @@ from .tuning import VERIFY_MIN_TOKENS, fidelity_kl, retrieval_guard, tuning_kl, 
 # held-out teacher-forced KL 0.0013 (perplexity +0.5%) where the space's budget search gave 0.055 (+7.8%); a 5%
 # cap gave 0.0073 (+1.8%). RESULTS Run 32 (CPU).
 DEFAULT_MAX_OUTPUT_ERROR = 0.02
-GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: the "none" boundary's region
 DENSE_CANDIDATE = Candidate("dense", {})
 
 
@@ -210,39 +206,6 @@ def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, devi
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _scored_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings, dense_cost: torch.Tensor | None = None) -> dict:
-    return {
-        **({} if dense_cost is None else {"dense_cost_ms": dense_cost.tolist()}),
-        "budget_ms": budget.tolist(),
-        "timings": dataclasses.asdict(timings),
-        "candidates": [
-            {
-                "pattern": s.candidate.pattern, "params": s.candidate.params,
-                "modalities": list(s.candidate.modalities) if s.candidate.modalities else None,
-                "head_params": [dataclasses.asdict(p) if p is not None else None for p in s.params],
-                "head_patterns": [type(p).__module__.rsplit(".", 1)[-1] if p is not None else None for p in s.params],
-                "error": s.error.tolist(), "recall": s.recall.tolist(), "density": s.density.tolist(), "cost_ms": s.cost_ms.tolist(),
-            }
-            for s in scored
-        ],
-    }
-
-
-def _scored_from_json(data: dict) -> tuple[list[Scored], torch.Tensor, Timings]:
-    scored = []
-    for c in data["candidates"]:
-        cand = Candidate(c["pattern"], c["params"], tuple(c["modalities"]) if c["modalities"] else None)
-        params = [PARAMS[pat](**p) if p is not None else None for pat, p in zip(c["head_patterns"], c["head_params"])]
-        t = lambda name: torch.tensor(c[name], dtype=torch.float64)
-        scored.append(Scored(cand, params, t("error"), t("recall"), t("density"), t("cost_ms")))
-    return scored, torch.tensor(data["budget_ms"], dtype=torch.float64), Timings(**data["timings"])
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    """A partial-state file, sorted keys, whole or not at all: a killed run resumes from whole files only."""
-    write_json_atomic(path, payload, sort_keys=True)
-
-
 def _prepare_workdir(cfg: CalibrateConfig, fingerprint: str) -> tuple[Path, str]:
     """OUT.partial/ with state.json; returns (dir, created). Without resume any old partial state is dropped."""
     work = cfg.out.with_name(cfg.out.name + ".partial")
@@ -258,37 +221,13 @@ def _prepare_workdir(cfg: CalibrateConfig, fingerprint: str) -> tuple[Path, str]
     from .artifacts.manifest import utc_now
 
     created = cfg.created or utc_now()
-    _write_json(state_path, {"fingerprint": fingerprint, "created": created})
+    write_state(state_path, {"fingerprint": fingerprint, "created": created})
     return work, created
 
 
 def _modalities_present(sample) -> list[str]:
     ids = sorted(set(int(m) for m in sample.modality.unique()))
     return [MODALITY_NAMES[i] for i in ids]
-
-
-def _scope_path(work: Path, si: int, layer: int, scope: str) -> Path:
-    q_mod, k_mod = split_scope(scope)
-    return work / f"s{si}_l{layer}_{q_mod}-{k_mod}.json"
-
-
-def _scope_files(work: Path, si: int, layer: int) -> dict[str, Path]:
-    """The region files (sample si, layer) has on disk, by scope: the inverse of ``_scope_path``."""
-    found = {}
-    for path in sorted(work.glob(f"s{si}_l{layer}_*-*.json")):
-        q_mod, k_mod = path.stem.split("_", 2)[2].split("-")
-        found[scope_name(q_mod, k_mod)] = path
-    return found
-
-
-def _boundary_path(work: Path, si: int, layer: int) -> Path:
-    return work / f"s{si}_l{layer}.boundary.json"
-
-
-def _layer_done(work: Path, si: int, layer: int, modal: bool) -> bool:
-    """A text layer is done with its global scope file; a multi-modal one with its boundary file (written
-    after all of the layer's region files)."""
-    return (_boundary_path(work, si, layer) if modal else _scope_path(work, si, layer, GLOBAL)).is_file()
 
 
 def search_layer(cfg: CalibrateConfig, work: Path, si: int, layer: int, q, k, v, scale: float | None, present: list[str],
@@ -300,14 +239,14 @@ def search_layer(cfg: CalibrateConfig, work: Path, si: int, layer: int, q, k, v,
         scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
                                         frame_stride=frame_stride, scale=scale, prune=_prunes(cfg))
         dense = dense_cost(q, k, v, space, costs, cfg.head_space, scale)
-        _write_json(_scope_path(work, si, layer, GLOBAL), _scored_to_json(scored, budget, t, dense))
+        write_state(scope_path(work, si, layer, GLOBAL), scores_to_json(scored, budget, t, dense))
         return
-    cached = {scope: ScopeResult(*_scored_from_json(json.loads(path.read_text())))
-              for scope, path in _scope_files(work, si, layer).items()}
-    save = lambda scope, res: _write_json(_scope_path(work, si, layer, scope), _scored_to_json(res.scored, res.budget, res.timings))
+    cached = {scope: ScopeResult(*scores_from_json(json.loads(path.read_text())))
+              for scope, path in scope_files(work, si, layer).items()}
+    save = lambda scope, res: write_state(scope_path(work, si, layer, scope), scores_to_json(res.scored, res.budget, res.timings))
     _, scores = search_modal_layer(q, k, v, modality.to(q.device), MODALITY_NAMES, space, costs, head_space=cfg.head_space,
                                    objective=cfg.objective, frame_stride=frame_stride, scale=scale, cached=cached, on_scope=save)
-    _write_json(_boundary_path(work, si, layer), scores)
+    write_state(boundary_path(work, si, layer), scores)
 
 
 @dataclass
@@ -373,11 +312,11 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
     (search/stability.py): an unstable head takes the safer choice, and ``stability[layer]`` gets the account."""
     scopes: dict[str, list[Path]] = {}
     for si in range(n_samples):
-        for scope, path in _scope_files(work, si, layer).items():
+        for scope, path in scope_files(work, si, layer).items():
             scopes.setdefault(scope, []).append(path)
     chosen_rows = {}
     for scope, paths in scopes.items():
-        loaded = [_scored_from_json(json.loads(p.read_text())) for p in paths]
+        loaded = [scores_from_json(json.loads(p.read_text())) for p in paths]
         for _, _, t in loaded:
             total.add(t)
         scored = mean_scored([sc for sc, _, _ in loaded])
@@ -385,7 +324,7 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
         chosen_rows[scope] = head_rows(scored, budget, objective)
         if scope == GLOBAL and len(loaded) > 1 and stability is not None and len(scopes) == 1:
             chosen_rows[scope] = _stable_rows(layer, chosen_rows[scope], loaded, budget, objective, stability)
-    reports = [json.loads(p.read_text()) for si in range(n_samples) if (p := _boundary_path(work, si, layer)).is_file()]
+    reports = [json.loads(p.read_text()) for si in range(n_samples) if (p := boundary_path(work, si, layer)).is_file()]
     heads = len(chosen_rows[GLOBAL])
     if not reports:
         kinds, report = ["none"] * heads, None
@@ -400,7 +339,7 @@ def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: st
         error = sum(types[kind]["error"][h] for h, kind in enumerate(kinds)) / heads
     rows = []
     for scope, chosen in sorted(chosen_rows.items(), key=lambda kv: (kv[0] != GLOBAL, kv[0])):
-        rows.extend(_artifact_row(layer, scope, r, space, kinds[r["head"]]) for r in chosen)
+        rows.extend(artifact_row(layer, scope, r, space, kinds[r["head"]]) for r in chosen)
     return rows, error, report
 
 
@@ -411,148 +350,6 @@ def _stable_rows(layer: int, chosen: list[dict], loaded, budget, objective: str,
     per_sample = [sc for sc, _, _ in loaded]
     stability[layer] = head_stability(per_sample, [b for _, b, _ in loaded], objective, chosen)
     return safer_rows(chosen, per_sample, budget, objective, stability[layer])
-
-
-KL_RESOLUTION = 0.005  # the KL bisection stops when its bracket spans <= 0.5% of dense cost
-PROBE_COST = 0.3  # --target-kl: layer KL sensitivities are measured at the error path's point nearest 30% of dense cost
-CURVE_POINTS = 48  # budget-curve points kept in the manifest (every measured one, the rest thinned evenly)
-
-
-def _layer_curves(work: Path, layer: int, n_samples: int) -> tuple[list[Scored], list[HeadCurve]]:
-    """A searched layer's global scores averaged over the samples, and per head its (cost, error) curve with
-    the dense point (search/targets.py)."""
-    data = [json.loads(p.read_text()) for si in range(n_samples) if (p := _scope_path(work, si, layer, GLOBAL)).is_file()]
-    if any("dense_cost_ms" not in d for d in data):
-        raise ValueError(f"layer {layer}: the saved scores predate quality targets (no dense cost); drop --resume to search again")
-    scored = mean_scored([_scored_from_json(d)[0] for d in data])
-    dense = torch.tensor([d["dense_cost_ms"] for d in data], dtype=torch.float64).mean(0)
-    curves = [HeadCurve(layer, h, tuple(float(s.cost_ms[h]) for s in scored), tuple(float(s.error[h]) for s in scored),
-                        float(dense[h]), tuple(s.candidate.key for s in scored)) for h in range(dense.numel())]
-    return scored, curves
-
-
-def _allocation_rows(alloc: Allocation, curves: list[HeadCurve], scored: dict[int, list[Scored]], space) -> list[dict]:
-    """heads rows of an allocation: each head's chosen candidate, or a dense row (density 1, error 0)."""
-    rows = []
-    for c, i in zip(curves, alloc.choices):
-        if i == DENSE:
-            r = {"head": c.head, "pattern": "dense", "params": DenseParams(), "density": 1.0, "recall": 1.0,
-                 "output_error": 0.0, "latency_ms": c.dense_cost, "score": 0.0, "reason": alloc.reasons.get((c.layer, c.head))}
-        else:
-            s, h = scored[c.layer][i], c.head
-            r = {"head": h, "pattern": s.candidate.pattern, "params": s.params[h], "density": float(s.density[h]),
-                 "recall": float(s.recall[h]), "output_error": float(s.error[h]), "latency_ms": float(s.cost_ms[h]), "score": float(s.error[h])}
-        rows.append(_artifact_row(c.layer, GLOBAL, r, space))
-    return rows
-
-
-def _point(alloc: Allocation, curves: list[HeadCurve], rows: list[dict]) -> dict:
-    """One budget-curve point: multiplier, total cost over dense, mean density and output error of the searched heads."""
-    lam = None if alloc.lam is None or not math.isfinite(alloc.lam) else round(alloc.lam, 9)
-    return {"lam": lam, "cost_fraction": round(alloc.cost_fraction(curves), 6), "sparse_heads": sum(i != DENSE for i in alloc.choices),
-            "mean_density": round(sum(r["density"] for r in rows) / len(rows), 6),
-            "mean_output_error": round(sum(r["output_error"] for r in rows) / len(rows), 6)}
-
-
-def kl_model(curves: list[HeadCurve], path: list[Allocation], measure: Callable[[Allocation], float]) -> dict:
-    """The per-layer KL model of a --target-kl search (search/targets.py): at ``probe_allocation`` (the error
-    path's point nearest PROBE_COST of dense cost), the KL with one layer at a time sparse, and per layer
-    a_l = KL_l / sum_h error_h^2. Returns {"sensitivity": {layer: a_l}, "record": the manifest's account}."""
-    probe = probe_allocation(curves, path, PROBE_COST)
-    layers = sorted({c.layer for c, i in zip(curves, probe.choices) if i != DENSE})
-    layer_kl = {layer: measure(only_layer(probe, curves, layer)) for layer in layers}
-    sensitivity = kl_sensitivity(curves, probe, layer_kl)
-    sq = lambda layer: sum(c.error_of(i) ** 2 for c, i in zip(curves, probe.choices) if c.layer == layer)
-    record = {
-        "model": "KL ~= sum over layers of a_layer x sum over heads of output_error^2 (a_layer measured with only that layer sparse)",
-        "probe": {"cost_fraction": round(probe.cost_fraction(curves), 6), "near": PROBE_COST},
-        "sum_of_layer_kl": round(sum(layer_kl.values()), 9),
-        "layers": [{"layer": layer, "kl": round(layer_kl[layer], 9) if layer in layer_kl else None,
-                    "sum_sq_error": round(sq(layer), 6), "sensitivity": round(a, 9)} for layer, a in sorted(sensitivity.items())],
-    }
-    return {"sensitivity": sensitivity, "record": record}
-
-
-def allocate_target(cfg: CalibrateConfig, work: Path, n_samples: int, layers: list[int], space,
-                    kl_of: Callable[[list[dict]], float], guard: tuple[Callable[[list[dict]], int] | None, dict] | None = None,
-                    ) -> tuple[list[dict], dict]:
-    """The quality target's allocation over the searched layers (search/targets.py) -> (global rows, the
-    manifest's target record without the held-out part). kl_of(rows) measures the model KL of the searched
-    layers' rows on the tuning prompts (target_kl only); guard (target_kl only, tuning.retrieval_guard):
-    (misses_of(rows) or None, its record), which moves the KL's choice up the path until no guard answer is
-    lost. Raises ValueError for an unreachable target unless cfg.allow_miss."""
-    kind, value = target_of(cfg)
-    scored, curves, model = {}, [], None
-    for layer in layers:
-        scored[layer], layer_curves = _layer_curves(work, layer, n_samples)
-        curves.extend(layer_curves)
-    rows_of = lambda a: _allocation_rows(a, curves, scored, space)
-    path = lagrangian_path(curves)
-    measured: dict[int, float] = {}
-    miss, found = None, None
-    if kind == "max_output_error":
-        alloc = cap_allocation(curves, value)
-        if all(i == DENSE for i in alloc.choices):
-            smallest = min((e for c in curves for e in c.error), default=math.inf)
-            miss = f"--max-output-error {value:g} cannot be met by any sparse candidate: every head would be dense (smallest error searched {smallest:.3g})"
-    elif kind == "latency_budget":
-        alloc = budget_allocation(curves, value)
-        if alloc is None:
-            alloc = path[0]
-            miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
-    else:
-        model = kl_model(curves, path, lambda a: kl_of(rows_of(a)))
-        path, predicted = kl_model_path(curves, model["sensitivity"])
-        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
-        measured = found.measured
-        alloc = path[found.best if found.chosen is None else found.chosen]
-        if found.chosen is None:
-            miss = (f"--target-kl {value:g} cannot be met on the calibration data: the densest sparse allocation "
-                    f"({_point(path[-2], curves, rows_of(path[-2]))['sparse_heads']} of {len(curves)} heads sparse) measured KL "
-                    f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
-        elif guard is not None:
-            alloc, guard_record, guard_miss = _hold_retrieval(path, found.chosen, guard, rows_of, curves)
-            miss = miss or guard_miss
-    if miss and not cfg.allow_miss:
-        raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
-    rows = rows_of(alloc)
-    point = _point(alloc, curves, rows)
-    achieved = {"target_kl": measured.get(path.index(alloc)) if kind == "target_kl" else None,
-                "max_output_error": max(r["output_error"] for r in rows), "latency_budget": point["cost_fraction"]}[kind]
-    keep = sorted(set(measured) | set(range(0, len(path), max(1, len(path) // CURVE_POINTS))) | {len(path) - 1})
-    curve = [{**_point(path[i], curves, rows_of(path[i])), **({"predicted_kl": round(predicted[i], 9)} if kind == "target_kl" else {}),
-              **({"kl": round(measured[i], 9)} if i in measured else {})} for i in keep]
-    record = {
-        "kind": kind, "value": value, "met": miss is None,
-        # given by the user, or the command line's default (--space-budget searches the space's budget instead)
-        "source": "default" if cfg.defaulted else "given", "allow_miss": cfg.allow_miss, "missed": miss,
-        "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
-                       "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
-        **({"kl_model": model["record"]} if model else {}),
-        **({"retrieval_guard": guard_record} if kind == "target_kl" and guard is not None and found.chosen is not None else {}),
-        "calibration": {"data": cfg.data, "achieved": achieved, **point,
-                        "kl_prompts": tuning_record(cfg) if kind == "target_kl" else None},
-        "curve": curve, "path_points": len(path),
-        "dense_heads": [{"layer": l, "head": h, "reason": alloc.reasons[(l, h)]} for l, h in alloc.dense_heads(curves)],
-    }
-    return rows, record
-
-
-def _hold_retrieval(path, chosen: int, guard, rows_of, curves) -> tuple[Allocation, dict, str | None]:
-    """The KL target's choice path[chosen] moved up the path to the cheapest point that loses no guard answer
-    (search/targets.hold_guard) -> (allocation, the manifest's guard record, a miss line or None)."""
-    misses_of, record = guard
-    if misses_of is None:  # dense answers none of the guard prompts: the KL's choice stands, said so
-        return path[chosen], record, None
-    held, measured = hold_guard(path, chosen, lambda a: misses_of(rows_of(a)))
-    at = lambda i: round(path[i].cost_fraction(curves), 6)
-    record = {**record, "held": held is not None, "kl_choice_cost": at(chosen),
-              "measured": [{"cost_fraction": at(i), "misses": m} for i, m in sorted(measured.items())]}
-    if held is None:
-        top = len(path) - 2
-        return path[chosen], record, (f"the retrieval guard cannot be held: the densest sparse allocation loses {measured[top]} of "
-                                      f"{record['dense_correct']} passkey answers dense gives (--retrieval-guard 0 to turn it off)")
-    return path[held], {**record, "cost": at(held)}, None
 
 
 def _boundary_summary(rows: list[dict], report: dict, space) -> dict | str:
@@ -626,7 +423,7 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
     started = time.perf_counter()  # the search, not the workers' start-up (it overlapped the load)
     for si, sample in enumerate(samples):
         present = _modalities_present(sample)
-        todo = {layer for layer in info.global_layers if not _layer_done(work, si, layer, len(present) > 1)}
+        todo = {layer for layer in info.global_layers if not layer_done(work, si, layer, len(present) > 1)}
         if not todo:
             continue
         on_layer = _layer_searcher(cfg, work, si, sample, present, todo, space, costs, device, info, progress, spread)
@@ -711,7 +508,10 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
         if target_of(cfg)[0] == "target_kl" and cfg.retrieval_guard:
             progress.stage(f"retrieval guard: {cfg.retrieval_guard} passkey prompts, dense")
             guard = retrieval_guard(cfg, model, tokenizer, manifest, sliding, progress)
-        global_rows, target = allocate_target(cfg, work, len(samples), list(info.global_layers), space, kl_of, guard)
+        kind, value = target_of(cfg)
+        request = TargetRequest(kind, value, cfg.allow_miss, "default" if cfg.defaulted else "given", cfg.data,
+                                tuning_record(cfg) if kind == "target_kl" else None)
+        global_rows, target = allocate_target(request, work, len(samples), list(info.global_layers), space, kl_of, guard)
         target["seconds"] = round(time.perf_counter() - started, 1)
         rows = sliding + global_rows
         mm["objective"] = f"target {target['kind']}"
@@ -828,15 +628,3 @@ def sliding_rows(info, head_space: str, tokens: int) -> list[dict]:
     heads = info.num_kv_heads if head_space == "kv" else info.num_heads
     return [window_row(layer, head, info.sliding_window, density=round(density, 6))
             for layer in info.sliding_layers for head in range(heads)]
-
-
-def _artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none") -> dict:
-    q_mod, k_mod = split_scope(scope)
-    row = {
-        "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
-        "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
-        "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
-        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"), "tie": r.get("tie"),
-    }
-    row.update(row_from_params(r["params"]))
-    return row

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparsesearch.calibrate import CalibrateConfig, _hold_retrieval
+from sparsesearch.calibrate import CalibrateConfig
+from sparsesearch.search.allocate import hold_retrieval
 from sparsesearch.search.targets import DENSE, Allocation, HeadCurve, hold_guard
 from sparsesearch.tuning import GUARD_DATA, retrieval_guard
 from tiny_model import make_tiny_model
@@ -47,17 +48,17 @@ def test_hold_guard_finds_the_cheapest_point_at_or_past_the_start(start, table, 
 
 def test_hold_retrieval_records_the_move_and_the_miss():
     misses_of, _ = _misses({0: 2, 1: 1, 2: 0, 3: 0})
-    alloc, record, miss = _hold_retrieval(PATH, 0, (misses_of, {"dense_correct": 3}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 0, (misses_of, {"dense_correct": 3}), _rows, [CURVE])
     assert alloc is PATH[2] and miss is None
     assert record["held"] and record["kl_choice_cost"] == 0.2 and record["cost"] == 0.6
     assert [m["cost_fraction"] for m in record["measured"]] == sorted(m["cost_fraction"] for m in record["measured"])
 
     failing, _ = _misses({0: 3, 1: 2, 2: 1, 3: 1})
-    alloc, record, miss = _hold_retrieval(PATH, 0, (failing, {"dense_correct": 3}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 0, (failing, {"dense_correct": 3}), _rows, [CURVE])
     assert alloc is PATH[0] and not record["held"]
     assert miss.startswith("the retrieval guard cannot be held: the densest sparse allocation loses 1 of 3")
 
-    alloc, record, miss = _hold_retrieval(PATH, 1, (None, {"dense_correct": 0, "why": "nothing to hold"}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 1, (None, {"dense_correct": 0, "why": "nothing to hold"}), _rows, [CURVE])
     assert alloc is PATH[1] and miss is None and record["why"] == "nothing to hold"
 
 

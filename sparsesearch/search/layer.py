@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..artifacts.columns import row_from_params
 from ..execute import HeadGroup, build_group_index, device_ids, grid_form, query_heads, sparse_attend
 from ..index import BlockIndex, GridLines
 from ..patterns import grid, index_entries
 from ..patterns import triangle
 from ..patterns._common import causal_entries, region_causal_entries
+from ..patterns.boundary import split_scope
 from ..patterns.dense import DenseParams
 from ..patterns.registry import REGISTRY
 from .cost import CostModel, analytic_ms
@@ -424,6 +426,19 @@ def head_rows(scored: list[Scored], budget: torch.Tensor, objective: str, max_er
             "admissible": float(s.cost_ms[h]) <= float(budget[h]), "reason": reason, "tie": tie,
         })
     return rows
+
+
+def artifact_row(layer: int, scope: str, r: dict, space, boundary: str = "none") -> dict:
+    """A ``head_rows`` dict (or one of the same keys) as a heads-table row of ``layer`` in region ``scope``."""
+    q_mod, k_mod = split_scope(scope)
+    row = {
+        "layer": layer, "head": r["head"], "q_modality": q_mod, "k_modality": k_mod, "boundary": boundary,
+        "pattern": r["pattern"], "block_m": space.block_m, "block_n": space.block_n,
+        "density": r["density"], "recall": r["recall"], "output_error": r["output_error"],
+        "latency_ms": r["latency_ms"], "score": r["score"], "reason": r.get("reason"), "tie": r.get("tie"),
+    }
+    row.update(row_from_params(r["params"]))
+    return row
 
 
 def mean_scored(per_sample: list[list[Scored]]) -> list[Scored]:
