@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import register, routed
 from .info import ModelInfo
 from .modality import token_modality_ids
 
@@ -59,12 +60,7 @@ class LayerCapture:
 
 def register_capture_attention() -> str:
     """Register ``CAPTURE_ATTENTION`` with transformers (idempotent) and return the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention_forward)
-    AttentionMaskInterface.register(CAPTURE_ATTENTION, sdpa_mask)
-    return CAPTURE_ATTENTION
+    return register(CAPTURE_ATTENTION, _capture_attention_forward)
 
 
 def _capture_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -88,24 +84,8 @@ def attention_capture(model: torch.nn.Module, sink: Sink) -> Iterator[None]:
     its previous implementation is restored on exit, also when the block raises.
     """
     register_capture_attention()
-    with routed_attention(model, CAPTURE_ATTENTION, _ACTIVE_SINK, sink):
+    with routed(model, CAPTURE_ATTENTION, _ACTIVE_SINK, sink):
         yield
-
-
-@contextmanager
-def routed_attention(model: torch.nn.Module, name: str, var: ContextVar, value) -> Iterator[None]:
-    """Within the block ``var`` holds ``value`` and the text decoder (only) runs attention implementation
-    ``name`` (registered by the caller); both are restored on exit, also when the block raises."""
-    text_config = model.config.get_text_config()
-    previous = text_config._attn_implementation
-    token = var.set(value)
-    try:
-        _set_text_attention(model, name)
-        yield
-    finally:
-        var.reset(token)
-        if text_config._attn_implementation != previous:
-            _set_text_attention(model, previous)
 
 
 def capture_qkv(
@@ -235,17 +215,3 @@ def _grouped_rows(mask: torch.Tensor, kv_heads: int, group: int) -> torch.Tensor
     return mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
 
 
-def _set_text_attention(model: torch.nn.Module, name: str) -> None:
-    """Point the text decoder (only) at attention implementation ``name``."""
-    config = model.config
-    text_config = config.get_text_config()
-    if text_config is config:
-        model.set_attn_implementation(name)
-    else:
-        key = next(k for k in config.sub_configs if getattr(config, k, None) is text_config)
-        model.set_attn_implementation({key: name})
-    if text_config._attn_implementation != name:
-        raise ValueError(
-            f"{model.__class__.__name__} did not accept attention implementation '{name}' "
-            "(it does not dispatch through transformers' AttentionInterface)"
-        )

@@ -69,7 +69,6 @@ from .selection import agnostic_unit_scores, pool_blocks, query_unit_scores, sel
 
 ATTN_NAME = "sparsesearch_nosa"
 _ENGINE = "_sparsesearch_nosa_engine"
-_PREVIOUS = "_sparsesearch_nosa_previous_attn"
 ENGINE_PROXIES = PROXIES  # every proxy the sweep measures runs here (the module docstring gives the readings)
 H2O_CHUNK_BYTES = 1 << 28  # prefill's h2o column sums hold one [Hq, chunk, T] float32 block of rows at a time
 
@@ -694,10 +693,7 @@ def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: in
     ``generate``. decoder: ``auto`` (the slot decoder on a GPU for trained/vnorm/random, else torch),
     ``slot`` or ``torch``; fused: the slot decoder's Triton step (None: on a GPU). (``sparsesearch.runtime.apply``
     does the same on top of the artifact's sparse prefill, with decoder ``auto``.)"""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from ..models.capture import _set_text_attention
+    from ..models.attention import install
 
     if artifact is not None:
         from ..artifacts.io import check_fits
@@ -705,20 +701,13 @@ def enable_nosa(model, artifact=None, *, cfg: NosaConfig | None = None, seed: in
 
         check_fits(artifact.manifest, info_from_model(model))
     engine = attach(model, cfg if cfg is not None else config_from_artifact(artifact), seed=seed, decoder=decoder, fused=fused)
-    AttentionInterface.register(ATTN_NAME, nosa_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    if not hasattr(model, _PREVIOUS):
-        setattr(model, _PREVIOUS, model.config.get_text_config()._attn_implementation)
-    _set_text_attention(model, ATTN_NAME)
+    install(model, ATTN_NAME, nosa_attention)
     return engine
 
 
 def disable_nosa(model) -> None:
     """Undo ``enable_nosa``."""
-    from ..models.capture import _set_text_attention
+    from ..models.attention import uninstall
 
     detach(model)
-    previous = getattr(model, _PREVIOUS, None)
-    if previous is not None:
-        _set_text_attention(model, previous)
-        delattr(model, _PREVIOUS)
+    uninstall(model, ATTN_NAME)

@@ -165,14 +165,10 @@ def _sweep_attention(module, query, key, value, attention_mask, dropout: float =
 def nosa_attention(model, handler: Callable):
     """Within the block, the text decoder's attention calls ``handler(module, q, k, v, scaling)``, which
     returns [B, N, Hq, D] or None (then SDPA runs). The previous implementation is restored on exit."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from ..models.attention import register, routed
 
-    from ..models.capture import routed_attention
-
-    AttentionInterface.register(SWEEP_ATTENTION, _sweep_attention)
-    AttentionMaskInterface.register(SWEEP_ATTENTION, sdpa_mask)
-    with routed_attention(model, SWEEP_ATTENTION, _HANDLER, handler):
+    register(SWEEP_ATTENTION, _sweep_attention)
+    with routed(model, SWEEP_ATTENTION, _HANDLER, handler):
         yield
 
 

@@ -1,8 +1,8 @@
 """transformers integration: the registered attention function, apply / remove, load_sparse_model.
 
-Registration goes through ``AttentionInterface.register`` and ``AttentionMaskInterface.register`` (no
-module is patched): the mask function is transformers' own ``sdpa_mask``, so ``attention_mask`` is None
-exactly when attention is causal without padding. Each attention module of the text model gets a
+Registration goes through ``models.attention.install`` (``AttentionInterface`` and ``AttentionMaskInterface``;
+no module is patched; the text decoder only): the mask function is transformers' own ``sdpa_mask``, so
+``attention_mask`` is None exactly when attention is causal without padding. Each attention module of the text model gets a
 reference to the model's Runner and its layer's plan as plain attributes, which ``remove`` deletes.
 
 Dense SDPA runs (through transformers' own SDPA function, so logits are bit-identical to the stock
@@ -18,10 +18,9 @@ passed. Their mask is never read as padding (its last row is the window, not a r
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..models.attention import install, uninstall
 from ..models.info import ModelInfo
 from .plan import Plan, build_plan
 from .run import Runner
@@ -29,7 +28,6 @@ from .run import Runner
 ATTN_NAME = "sparsesearch"
 _RUNNER = "_sparsesearch_runner"
 _LAYER = "_sparsesearch_layer"
-_PREVIOUS = "_sparsesearch_previous_attn"
 
 
 def sparsesearch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
@@ -171,8 +169,6 @@ def apply(model, artifact, *, min_tokens: int | None = None, last_row_only: bool
     plan = build_plan(artifact.manifest, artifact.heads, info, min_tokens=min_tokens, last_row_only=last_row_only)
     if info.head_dim not in SUPPORTED_HEAD_DIMS and any(layer.kind != "dense" for layer in plan.layers):
         raise ValueError(f"sparse kernels support head_dim {SUPPORTED_HEAD_DIMS}; this model has {info.head_dim}")
-    AttentionInterface.register(ATTN_NAME, sparsesearch_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     runner = Runner(plan)
     modules = list(_attention_modules(model, info.num_layers))
     if len({m.layer_idx for m in modules}) != info.num_layers:
@@ -180,13 +176,11 @@ def apply(model, artifact, *, min_tokens: int | None = None, last_row_only: bool
     for module in modules:
         setattr(module, _RUNNER, runner)
         setattr(module, _LAYER, plan.layer(module.layer_idx))
-    if not hasattr(model, _PREVIOUS):
-        setattr(model, _PREVIOUS, model.config._attn_implementation)
     if nosa and (artifact.manifest.get("methods") or {}).get("nosa"):
         from ..nosa.engine import attach, config_from_artifact
 
         attach(model, config_from_artifact(artifact))
-    model.set_attn_implementation(ATTN_NAME)
+    install(model, ATTN_NAME, sparsesearch_attention)
     return plan
 
 
@@ -210,10 +204,7 @@ def remove(model) -> None:
         for name in (_RUNNER, _LAYER):
             if hasattr(module, name):
                 delattr(module, name)
-    previous = getattr(model, _PREVIOUS, None)
-    if previous is not None:
-        model.set_attn_implementation(previous)
-        delattr(model, _PREVIOUS)
+    uninstall(model, ATTN_NAME)
 
 
 def runner_of(model) -> Runner | None:

@@ -1,7 +1,7 @@
 """SPAVA inside a transformers model: each rank runs every layer on its local tokens only.
 
-Registration goes through ``AttentionInterface.register`` (and a mask function that builds no mask:
-our attention knows its own structure), as runtime/hf.py does. The per-run facts — mode, layout,
+Registration goes through ``models.attention.install`` (with a mask function that builds no mask: our
+attention knows its own structure), as runtime/hf.py does. The per-run facts — mode, layout,
 the rank's global positions, the process group — live in one ``RankContext`` that ``attach`` sets on
 every attention module of the text model (the way runtime/hf.py hands its Runner over) and
 ``detach`` removes.
@@ -156,27 +156,22 @@ def _no_mask(*args, **kwargs):
 
 def attach(model, ctx: RankContext) -> None:
     """Route the model's attention through SPAVA / the ring for this rank (undo with ``detach``)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from ..models.attention import install
 
     modules = _text_attention(model)
-    AttentionInterface.register(ATTN_NAME, spava_hf_attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
     for module in modules:
         setattr(module, _CTX, ctx)
-    if not hasattr(model, "_spava_previous_attn"):
-        model._spava_previous_attn = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    install(model, ATTN_NAME, spava_hf_attention, mask=_no_mask)
 
 
 def detach(model) -> None:
+    """Undo ``attach``: no rank context left on the modules, the previous attention implementation back."""
+    from ..models.attention import uninstall
+
     for module in model.modules():
         if hasattr(module, _CTX):
             delattr(module, _CTX)
-    previous = getattr(model, "_spava_previous_attn", None)
-    if previous is not None:
-        model.set_attn_implementation(previous)
-        del model._spava_previous_attn
+    uninstall(model, ATTN_NAME)
 
 
 def tail_logits(model, ids: torch.Tensor, ctx: RankContext, tail: int, *, owner: bool, embeds: torch.Tensor | None = None) -> torch.Tensor:
