@@ -296,14 +296,13 @@ def attend_boundary(boundary: tuple[tuple[int, str], ...], region_groups: Callab
     the groups of that region (() for none; runtime.plan.LayerPlan.region_groups). q [1, Hq, N, D], modality int [N]. Returns the heads (head space) done; a
     head lacking a group in one of its regions (a modality its calibration never saw) is left to its
     global pattern."""
-    from .models.modality import MODALITIES
     from .patterns import boundary as bd
 
     n, group = q.shape[2], q.shape[1] // k.shape[1]
     if modality.numel() != n:
         raise ValueError(f"modality ids hold {modality.numel()} tokens, the sequence {n}: one id per token is needed")
-    pos = bd.positions(modality.to(q.device), MODALITIES)
-    present = [m for m in MODALITIES if m in pos]
+    pos = bd.positions(modality.to(q.device), bd.MODALITIES)
+    present = [m for m in bd.MODALITIES if m in pos]
     if len(present) < 2:
         return set()  # one modality: every type reduces to the global pattern
     done: set[int] = set()

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
+from ..patterns.boundary import MODALITIES  # the fixed id -> name tuple, kept below the executor that reads it too
 from .info import ModelInfo
 
-MODALITIES: tuple[str, ...] = ("text", "image", "video")
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 

@@ -38,6 +38,9 @@ from ._common import causal_entries, region_causal_entries
 
 BOUNDARIES = ("none", "k", "q", "2d")
 ALL = "all"
+# Modality names by id, fixed and recorded in artifacts (id i is MODALITIES[i]). The executor's boundary launches
+# and the model side's token ids (models/modality.py) read this one tuple; it sits here, below both.
+MODALITIES: tuple[str, ...] = ("text", "image", "video")
 
 
 @dataclass(frozen=True)
