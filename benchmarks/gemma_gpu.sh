@@ -14,6 +14,9 @@
 set -u
 export PYTHONPATH=.:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# A job cut at the deadline gets SIGABRT, on which Python prints every thread's stack: a stall (session 31's
+# 16K/32K Paretos sat in the duo ranking for minutes) leaves its place in the log.
+export PYTHONFAULTHANDLER=1
 PARTS=${PARTS:-/tmp/gemma_parts}
 G=$PARTS/gemma-3-270m-q4_k_m.gguf
 SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
@@ -52,8 +55,9 @@ calibrate)
     for d in "$RES"/p11/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;
 pareto)
     gpu=$1 t=$2 dir=$RES/p11/$2
-    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh pareto "$G" \
-        --samples 2 --budgets 0.3,0.5,0.7,0.85 --device cuda --resume --json >"$dir/pareto.json"
+    # BASELINES (e.g. streaming,minference,topk,trianglemix,dense) narrows the families; default: all of them
+    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout -s ABRT "$(left)" bash benchmarks/pareto_gpu.sh pareto "$G" \
+        --samples 2 --budgets 0.3,0.5,0.7,0.85 --device cuda --resume --json ${BASELINES:+--baselines "$BASELINES"} >"$dir/pareto.json"
     for a in "$dir"/a/*/; do
         name=$(basename "$a")
         [ -s "$dir/passkey_$name.json" ] && continue
