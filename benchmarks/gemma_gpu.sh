@@ -5,6 +5,7 @@
 #   bash benchmarks/gemma_gpu.sh join                   # join the parts, check the checksum, install the wheels
 #   bash benchmarks/gemma_gpu.sh calibrate              # P11: searched artifacts at 8K/16K/32K, spread over 4 GPUs
 #   bash benchmarks/gemma_gpu.sh pareto GPU TOKENS      # P11: the Pareto of one length, and passkey x 20 per artifact
+#   bash benchmarks/gemma_gpu.sh guard GPU TOKENS       # P11: --target-kl 0.02 with the retrieval guard, passkey x 20
 #   bash benchmarks/gemma_gpu.sh spava GPUS             # P15 §2: SPAVA on two GPUs (GPUS e.g. 2,3)
 #
 # The GGUF (253 MB) is more than one transfer: it travels in parts (split -n 5: the tree and a part must stay under 64 MiB) on consecutive calls to one
@@ -64,6 +65,14 @@ pareto)
         CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "$a" --model "$G" --data synthetic:passkey --samples 20 \
             --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log"
     done ;;
+guard)
+    # the run that session 31's passkey rows ask for: the 0.02 target lost 3-4 of 16-17 answers without the guard
+    gpu=$1 t=$2 dir=$RES/p11/$2
+    name=kl0.02-guard8
+    [ -f "$dir/a/$name/manifest.json" ] || CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh \
+        calibrate "$G" "$name" --search-space wide --head-space query --target-kl 0.02 --retrieval-guard 8 --allow-miss --device cuda --resume
+    [ -s "$dir/passkey_$name.json" ] || CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "$dir/a/$name" --model "$G" \
+        --data synthetic:passkey --samples 20 --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log" ;;
 spava)
     d=$RES/spava && mkdir -p "$d"
     sw() { CUDA_VISIBLE_DEVICES=$1 timeout "$(left)" "${SS[@]}" sweep-spava --model "$G" --nproc 2 "${@:2}" --json; }
