@@ -71,3 +71,33 @@ def test_a_guard_dense_cannot_answer_is_recorded_not_applied(tmp_path):
     assert misses_of is None  # a random tiny model answers no passkey
     assert record["data"] == GUARD_DATA and record["prompts"] == 2 and record["dense_correct"] == 0
     assert record["held"] is None and "nothing to hold" in record["why"]
+
+
+def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypatch):
+    """Through calibrate on the tiny model (whose dense run answers no passkey, so the real guard would hold
+    nothing): a guard that loses an answer at every point below 60% mean density moves the KL target's
+    choice there; the record names both points, and the moved point's KL is measured (it meets the target)."""
+    import json
+
+    import sparsesearch.calibrate as cal
+    from test_calibrate import SPACE
+
+    def fake_guard(cfg, model, tokenizer, manifest, fixed_rows, progress=None):
+        def misses_of(rows):
+            return int(sum(r["density"] for r in rows) / len(rows) < 0.6)
+
+        return misses_of, {"data": GUARD_DATA, "prompts": 1, "dense_correct": 1}
+
+    monkeypatch.setattr(cal, "retrieval_guard", fake_guard)
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps(SPACE))
+    target = 0.05
+    res = cal.calibrate(CalibrateConfig(model=make_tiny_model(tmp_path / "tiny"), data="synthetic:passkey", search_space=str(space),
+                                        max_tokens=256, out=tmp_path / "a", eval_data="", target_kl=target, min_tokens=128))
+    rec = res.manifest["methods"]["mminference"]["target"]
+    guard = rec["retrieval_guard"]
+    assert guard["held"] and guard["cost"] > guard["kl_choice_cost"], "the KL alone chose a cheaper point: the guard moved it"
+    assert all(m["misses"] == 0 for m in guard["measured"] if m["cost_fraction"] >= guard["cost"])
+    chosen = rec["calibration"]
+    assert chosen["cost_fraction"] == guard["cost"] and chosen["mean_density"] >= 0.6
+    assert chosen["achieved"] is not None and chosen["achieved"] <= target

@@ -140,6 +140,8 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
         elif guard is not None:
             alloc, guard_record, guard_miss = hold_retrieval(path, found.chosen, guard, rows_of, curves)
             miss = miss or guard_miss
+            if path.index(alloc) not in measured:  # moved up by the guard: its own KL, so the record's achieved is measured
+                measured[path.index(alloc)] = float(kl_of(rows_of(alloc)))
     if miss and not req.allow_miss:
         raise ValueError(f"{miss} (pass --allow-miss to write the best reachable artifact)")
     rows = rows_of(alloc)
