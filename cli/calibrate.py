@@ -115,6 +115,18 @@ def _target_summary(target: dict | None) -> dict | None:
     return {k: v for k, v in target.items() if k != "curve"}
 
 
+def guard_line(guard: dict) -> str:
+    """One line for people from a target's retrieval_guard record (sparsesearch/search/allocate.py)."""
+    head = f"retrieval guard ({guard['prompts']} passkey prompts, dense answers {guard['dense_correct']}): "
+    if guard.get("held") is None:
+        return head + guard.get("why", "not applied")
+    if not guard["held"]:
+        return head + "NOT held: the densest sparse allocation still loses answers"
+    if guard["cost"] > guard["kl_choice_cost"]:
+        return head + f"held by moving from {guard['kl_choice_cost']:.1%} to {guard['cost']:.1%} of dense cost"
+    return head + "held at the KL target's own choice"
+
+
 def _render_target(target: dict) -> None:
     cal, held = target["calibration"], target.get("held_out") or {}
     status = "met" if target["met"] else f"MISSED ({target['missed']})"
@@ -129,6 +141,9 @@ def _render_target(target: dict) -> None:
         top = sorted((l for l in model["layers"] if l["kl"] is not None), key=lambda l: -l["kl"])[:5]
         out_console.print(f"KL model (one layer sparse at {model['probe']['cost_fraction']:.0%} of dense cost): layer KL sum "
                           f"{model['sum_of_layer_kl']:.3g}; largest: " + ", ".join(f"layer {l['layer']} {l['kl']:.2g}" for l in top), highlight=False)
+    guard = target.get("retrieval_guard")
+    if guard:
+        out_console.print(guard_line(guard), highlight=False)
     if target["dense_heads"]:
         dense = target["dense_heads"]
         table = Table(title=f"heads kept dense ({len(dense)})")

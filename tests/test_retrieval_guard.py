@@ -101,3 +101,16 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
     chosen = rec["calibration"]
     assert chosen["cost_fraction"] == guard["cost"] and chosen["mean_density"] >= 0.6
     assert chosen["achieved"] is not None and chosen["achieved"] <= target
+
+
+@pytest.mark.parametrize("guard, says", [
+    ({"prompts": 4, "dense_correct": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.52}, "held by moving from 31.0% to 52.0% of dense cost"),
+    ({"prompts": 4, "dense_correct": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.31}, "held at the KL target's own choice"),
+    ({"prompts": 4, "dense_correct": 3, "held": False, "kl_choice_cost": 0.31}, "NOT held"),
+    ({"prompts": 4, "dense_correct": 0, "held": None, "why": "dense answers 0 of 4 guard prompts: nothing to hold"}, "nothing to hold"),
+])
+def test_the_report_says_what_the_guard_did(guard, says):
+    from sparsesearch_cli.calibrate import guard_line
+
+    line = guard_line(guard)
+    assert line.startswith(f"retrieval guard (4 passkey prompts, dense answers {guard['dense_correct']}): ") and says in line
