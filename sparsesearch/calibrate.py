@@ -499,16 +499,16 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
     mm = manifest["methods"]["mminference"]
     target = None
     if target_of(cfg):
-        progress.stage(f"allocating budgets for --{target_of(cfg)[0].replace('_', '-')}")
+        kind, value = target_of(cfg)
+        progress.stage(f"allocating budgets for --{kind.replace('_', '-')}")
         sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
 
         kl_of = tuning_kl(cfg, model, tokenizer, manifest, sliding, progress)
         started = time.perf_counter()
         guard = None
-        if target_of(cfg)[0] == "target_kl" and cfg.retrieval_guard:
+        if kind == "target_kl" and cfg.retrieval_guard:
             progress.stage(f"retrieval guard: {cfg.retrieval_guard} passkey prompts, dense")
             guard = retrieval_guard(cfg, model, tokenizer, manifest, sliding, progress)
-        kind, value = target_of(cfg)
         request = TargetRequest(kind, value, cfg.allow_miss, "default" if cfg.defaulted else "given", cfg.data,
                                 tuning_record(cfg) if kind == "target_kl" else None)
         global_rows, target = allocate_target(request, work, len(samples), list(info.global_layers), space, kl_of, guard)

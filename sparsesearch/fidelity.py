@@ -348,18 +348,24 @@ def dense_reference(model, tokenizer, samples: list, *, data: str, depths: list[
     return Reference(data, list(samples), depths, attend(model, tokenizer, samples, on_prompt=on_prompt))
 
 
-def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], reference: Reference, *, min_tokens: int = 1024,
-                     on_prompt: Callable[[int, int], None] | None = None) -> dict:
-    """The artifact (manifest + heads rows) through the sparse runtime on the reference's prompts, compared
-    with the reference's dense run (no dense forward here). Returns ``evaluate_fidelity``'s report."""
+def as_artifact(manifest: dict, rows: list[dict]):
+    """An in-memory artifact (``manifest`` + ``heads``, what runtime.apply reads) from a manifest and heads rows
+    that were never written: the candidate allocations a target search measures."""
     from types import SimpleNamespace
 
     import pandas as pd
 
+    return SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
+
+
+def evaluate_against(model, tokenizer, manifest: dict, rows: list[dict], reference: Reference, *, min_tokens: int = 1024,
+                     on_prompt: Callable[[int, int], None] | None = None) -> dict:
+    """The artifact (manifest + heads rows) through the sparse runtime on the reference's prompts, compared
+    with the reference's dense run (no dense forward here). Returns ``evaluate_fidelity``'s report."""
     from .artifacts.summary import effective_densities
 
     prompts = reference.samples
-    artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(rows))
+    artifact = as_artifact(manifest, rows)
     sparse = attend(model, tokenizer, prompts, artifact, min_tokens=min_tokens, audit=True, on_prompt=on_prompt)
     densities = [d for d in effective_densities(manifest, rows).values() if d is not None]  # imported rows have none
     return {

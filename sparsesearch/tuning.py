@@ -100,15 +100,12 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
                     progress=None) -> tuple[Callable[[list[dict]], int] | None, dict]:
     """misses_of for ``allocate_target``: rows of the searched layers -> how many guard prompts that dense
     answers right the model with ``fixed_rows`` + those rows answers wrong (greedy, the answer's tokens).
-    Returns (misses_of, the manifest's record); misses_of is None when dense answers none (nothing to hold)."""
-    from types import SimpleNamespace
-
-    import pandas as pd
-
-    from .fidelity import attend
+    Returns (misses_of, the manifest's record); misses_of is None when dense answers none (nothing to hold).
+    Only the generations are run (fidelity.generate): the guard reads answers, not teacher-forced KL."""
+    from .fidelity import as_artifact, generate
 
     samples = guard_samples(cfg, tokenizer)
-    dense = [g.correct is True for g in attend(model, tokenizer, samples).generations]
+    dense = [generate(model, tokenizer, s).correct is True for s in samples]
     record = {"data": GUARD_DATA, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
               "dense_correct": sum(dense)}
     if not any(dense):
@@ -116,9 +113,10 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
 
     def misses_of(rows: list[dict]) -> int:
         if progress is not None:
-            progress.stage(f"retrieval guard: {len(samples)} passkey prompts through the runtime")
-        artifact = SimpleNamespace(manifest=manifest, heads=pd.DataFrame(fixed_rows + rows))
-        sparse = attend(model, tokenizer, samples, artifact, min_tokens=VERIFY_MIN_TOKENS)
-        return sum(d and g.correct is not True for d, g in zip(dense, sparse.generations))
+            progress.stage(f"retrieval guard: the {sum(dense)} passkey prompts dense answers, through the runtime")
+        artifact = as_artifact(manifest, fixed_rows + rows)
+        # a prompt dense answers wrong cannot be lost: only those dense answers are run sparse
+        return sum(generate(model, tokenizer, s, artifact, min_tokens=VERIFY_MIN_TOKENS).correct is not True
+                   for s, d in zip(samples, dense) if d)
 
     return misses_of, record

@@ -5,6 +5,7 @@ densest sparse point still fails is a miss; a guard dense cannot answer is recor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsesearch.calibrate import CalibrateConfig
 from sparsesearch.search.allocate import hold_retrieval
@@ -114,3 +115,28 @@ def test_the_report_says_what_the_guard_did(guard, says):
 
     line = guard_line(guard)
     assert line.startswith(f"retrieval guard (4 passkey prompts, dense answers {guard['dense_correct']}): ") and says in line
+
+
+def test_misses_count_only_answers_dense_gives(tmp_path, monkeypatch):
+    """misses_of runs sparse only the prompts dense answers, and counts those the artifact loses (the model's
+    generations stood in for by a table: dense answers prompts 0 and 2, the artifact loses prompt 2)."""
+    import sparsesearch.fidelity as fid
+    from sparsesearch.models import load_model
+
+    model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
+    samples = {}
+    calls = []
+
+    def fake_generate(model, tokenizer, sample, artifact=None, *, min_tokens=1024):
+        i = samples.setdefault(id(sample), len(samples))
+        calls.append((i, artifact is not None))
+        right = i in (0, 2) if artifact is None else i == 0
+        return fid.Generation(len(sample.input_ids), torch.zeros(0, dtype=torch.long), right)
+
+    monkeypatch.setattr(fid, "generate", fake_generate)
+    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=3)
+    misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
+    assert record["dense_correct"] == 2 and misses_of is not None
+    calls.clear()
+    assert misses_of([]) == 1
+    assert calls == [(0, True), (2, True)], "prompt 1 (dense wrong) is never run sparse"

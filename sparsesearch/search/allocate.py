@@ -116,7 +116,7 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
     rows_of = lambda a: allocation_rows(a, curves, scored, space)
     path = lagrangian_path(curves)
     measured: dict[int, float] = {}
-    miss, found = None, None
+    miss, guard_record = None, None
     if kind == "max_output_error":
         alloc = cap_allocation(curves, value)
         if all(i == DENSE for i in alloc.choices):
@@ -158,7 +158,7 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
         "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
                        "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
         **({"kl_model": model["record"]} if model else {}),
-        **({"retrieval_guard": guard_record} if kind == "target_kl" and guard is not None and found.chosen is not None else {}),
+        **({"retrieval_guard": guard_record} if guard_record is not None else {}),
         "calibration": {"data": req.data, "achieved": achieved, **point,
                         "kl_prompts": req.kl_prompts if kind == "target_kl" else None},
         "curve": curve, "path_points": len(path),
