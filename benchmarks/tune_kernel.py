@@ -1,6 +1,7 @@
-"""Sweep launch configs of the block-sparse kernel on one GPU (bf16, 32 heads, 8 KV heads, d=128).
+"""Sweep launch configs of the block-sparse kernel on one GPU (bf16; 32 heads, 8 KV heads, d=128 unless told).
 
     python benchmarks/tune_kernel.py --n 32768 131072 --block 64 128 --density 0.05 0.1 0.25
+    python benchmarks/tune_kernel.py --heads 4 --kv-heads 1 --dim 256 --n 8192 32768   # Gemma 3 270M's shape
 
 Prints, per length, block size and index (all causal blocks, and block top-k at each requested density of
 the causal blocks, kv head space as the runtime uses it), the time and efficiency (computed density x SDPA
@@ -42,6 +43,12 @@ def indices(q, k, n: int, block: int, densities: list[float], vs: list[str]) -> 
     return out
 
 
+def shape_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, nargs="+", default=[32768])
@@ -56,8 +63,9 @@ def main() -> None:
     parser.add_argument("--vs", nargs="*", default=[], help="planted vertical-slash indexes, each 'V,S'")
     parser.add_argument("--col-table", choices=["off", "on"], nargs="+", default=["on"],
                         help="vertical-slash columns from the column table's slabs (on) or gathered from the lists (off)")
+    shape_args(parser)
     args = parser.parse_args()
-    heads, kv_heads, dim = 32, 8, 128
+    heads, kv_heads, dim = args.heads, args.kv_heads, args.dim
     for n in args.n:
         torch.manual_seed(n)
         q = torch.randn(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)

@@ -321,7 +321,9 @@ def _launch_config(block_m: int, block_n: int, head_dim: int, device: torch.devi
     Measured on an H200 (benchmarks/tune_kernel.py, bf16, d=128, 32K, see benchmarks/RESULTS.md): 64-wide
     key tiles, 4 warps and 2 stages win by a wide margin (0.89 efficiency dense, 0.82 at 25% density with
     128-row blocks) over 8 warps / 3 stages (0.71): Q (32 KiB) + 2 x (K + V) tiles (64 KiB) fit two CTAs per
-    SM, a third stage drops that to one. head_dim 256 halves the key tile to stay within shared memory.
+    SM, a third stage drops that to one. head_dim 256 (Gemma 3) keeps the 64-wide key tile but one stage: 0.70-0.85
+    efficiency at 8K and 32K against 0.61-0.76 for the 32-wide, two-stage tile it had (Run 34); 8 warps lose there
+    too (0.34-0.56).
     Full-block tiles through TMA (Hopper and later) beat pointer loads at that config; a heads-first grid
     order and one loop over full and partial blocks were slower (session 6 tuning rows). Where
     ``sparsesearch tune-kernels`` has measured this GPU (launch_table.py), its tile width, warps and stages
@@ -335,11 +337,12 @@ def _device_config(block_n: int, head_dim: int, device: torch.device, interpret:
     """``_launch_config``'s answer, once per key: reading the device's capability costs host time on every
     launch otherwise (about 20 us of a 0.23 ms call, H200). ``tuned`` False: the defaults, ignoring the launch table
     (what the tuner compares against)."""
-    tile_n = min(block_n, 64 if head_dim <= 128 else 32)
+    tile_n = min(block_n, 64)
     if interpret:
         return {"TILE_N": tile_n, "num_warps": 4, "num_stages": 1}
     major = torch.cuda.get_device_capability(device)[0]
-    config = {"TILE_N": tile_n, "num_warps": 4, "num_stages": 2, "tma": major >= 9, "ws": major == 9}
+    stages = 2 if head_dim <= 128 else 1
+    config = {"TILE_N": tile_n, "num_warps": 4, "num_stages": stages, "tma": major >= 9, "ws": major == 9}
     measured = tuned_config(torch.cuda.get_device_name(device), block_n, head_dim) if tuned else None
     return config if measured is None else {**config, **measured}
 

@@ -194,6 +194,7 @@ def tail_attention(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     splits: int | None = None,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense causal attention of each sequence's last ``last`` query rows, split over keys.
 
@@ -203,7 +204,7 @@ def tail_attention(
     if last < 1:
         raise ValueError(f"last must be >= 1, got {last}")
     layout = check_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    return _split_rows(q, k, v, layout, last, scale, splits)
+    return _split_rows(q, k, v, layout, last, scale, splits, config=config)
 
 
 def line_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, step: int, count: int,
@@ -218,8 +219,23 @@ def line_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first
     return _split_rows(q, k, v, layout, count, scale, None, (first, step, q_heads), into)
 
 
+def tail_config(rows: int, head_dim: int, interpret: bool) -> dict:
+    """Launch shape of the split-K tail pass for ``rows`` query rows: 128-row tiles of 64 keys to head_dim 128
+    (the block-sparse kernel's measured best); past it 64 rows of 64 keys in three stages, as a 128 x 256 fp32
+    accumulator alone is 256 registers a thread at 4 warps and spills: at Gemma 3's shape (4 heads, 1 KV head,
+    d 256) 0.41-0.64 of SDPA's rate for 512-2048 rows at 32K against 0.17-0.20 (benchmarks/tune_tail.py, Run 34)."""
+    if interpret:
+        block_m, tile_n, warps, stages = 16, 64, 4, 1
+    elif head_dim <= 128:
+        block_m, tile_n, warps, stages = (64 if rows <= 64 else 128), 64, 4, 2
+    else:
+        block_m, tile_n, warps, stages = 64, 64, 4, 3
+    block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
+    return {"BLOCK_M": block_m, "TILE_N": tile_n, "num_warps": warps, "num_stages": stages}
+
+
 def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | None, strided: tuple | None = None,
-                into: tuple | None = None):
+                into: tuple | None = None, config: dict | None = None):
     """The split-K launch behind tail_attention (the last ``last`` rows, every head) and
     line_rows_attention (strided: (first, step, q_heads)). into: (out, lse, out's (b, h, n) strides, lse's):
     the partials are merged by one more launch straight into those rows of out/lse (returns None); else
@@ -231,9 +247,8 @@ def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | N
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     rows = min(last, q_len_max)
-    block_m = 16 if interpreting() else (64 if rows <= 64 else 128)
-    block_m = min(block_m, max(16, triton.next_power_of_2(rows)))
-    tile_n = 64
+    launch = {**tail_config(rows, head_dim, interpreting()), **(config or {})}
+    block_m, tile_n = launch.pop("BLOCK_M"), launch.pop("TILE_N")
     m_tiles = triton.cdiv(rows, block_m)
     splits = splits or _num_splits(kv_len_max, m_tiles * batch * served, tile_n)
     chunk = triton.cdiv(triton.cdiv(kv_len_max, splits), tile_n) * tile_n
@@ -247,15 +262,13 @@ def _split_rows(q, k, v, layout, last: int, scale: float | None, splits: int | N
         part_o = torch.empty(splits, batch, served, last, head_dim, dtype=torch.float32, device=q.device)
         part_l = torch.empty(splits, batch, served, last, dtype=torch.float32, device=q.device)
     first, step, head_map = strided if strided is not None else (0, 1, layout.cu_q)
-    # Same shape of tile as the block-sparse kernel's measured best (4 warps, 2 stages, 64-wide keys).
-    config = {"num_warps": 4, "num_stages": 1 if interpreting() else 2}
     _tail_split_fwd[(splits, m_tiles, batch * served)](
         q, k, v, part_o, part_l, layout.cu_q, layout.cu_k, head_map,
         scale * LOG2E, q_len_max, kv_len_max, last, chunk, first, step, served,
         *sq, *sk, *sv,
         *part_o.stride()[:4], *part_l.stride()[:3],
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_M=block_m, TILE_N=tile_n, VARLEN=varlen, DOT_F32=dot_f32(q.dtype), STRIDED=strided is not None, **config,
+        BLOCK_M=block_m, TILE_N=tile_n, VARLEN=varlen, DOT_F32=dot_f32(q.dtype), STRIDED=strided is not None, **launch,
     )
     if into is None:
         return merge_partials(part_o, part_l, dim=0)
