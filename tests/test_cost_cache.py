@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from sparsesearch.kernels.version import cache_env, kernel_version
 from sparsesearch.search.cost import MeasuredCost
@@ -141,3 +143,38 @@ def test_exit_flush_does_not_keep_instances_alive(tmp_path):
     live._cache["k"], live._dirty = 1.0, True
     _flush_if_alive(weakref.ref(live))
     assert json.loads((tmp_path / "b.json").read_text())["costs"] == {"k": 1.0}
+
+
+def _layer(dim=64, n=96, heads=4, kv_heads=1, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, n, dim, generator=gen).to(device)
+    k, v = (torch.randn(1, kv_heads, n, dim, generator=gen).to(device) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("head_space, heads", [("query", 4), ("kv", 1)])
+def test_measured_dense_price_is_the_runtimes_sdpa_split_per_head(tmp_path, monkeypatch, head_space, heads):
+    # calibrate prices a dense head as the runtime runs it (torch SDPA over the layer), once per shape
+    from sparsesearch.calibrate import dense_cost
+    from sparsesearch.search.space import load_space
+
+    outs = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (outs.append(run()), 2.0)[1])
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = _layer()
+    for _ in range(2):
+        price = dense_cost(q, k, v, load_space(), costs, head_space, None)
+        assert price.dtype == torch.float64 and price.tolist() == [2.0 / heads] * heads
+    assert costs.timed == 1 and len(outs) == 1  # the second layer of this shape reads the cache
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(outs[0], want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times SDPA on a GPU")
+def test_measured_dense_price_on_a_gpu(tmp_path):
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = (t.half() for t in _layer(n=2048, device="cuda"))
+    per_head = costs.dense_ms(q, k, v, "query", 0.125)
+    assert per_head.shape == (4,) and 0 < float(per_head[0]) < 50 and costs.timed == 1
+    assert costs.dense_ms(q, k, v, "kv", 0.125).tolist() == [float(per_head.sum())] and costs.timed == 1

@@ -255,6 +255,22 @@ class MeasuredCost:
             self.flush()
         return torch.full((heads,), total / heads, dtype=torch.float64)
 
+    def dense_ms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_space: str, scale: float) -> torch.Tensor:
+        """float64 [H] ms per head of the head space of what the runtime runs for dense heads: torch's causal SDPA
+        over the layer (execute.dense_heads), timed once per (device, shapes, dtype) and cached with the patterns.
+        q [1, Hq, N, D], k/v [1, Hkv, N, D]. Not our kernel on an all-causal index: dense heads never run through
+        it, and at head_dim 256 it runs at ~0.7 of SDPA's rate (benchmarks/RESULTS.md, Run 34)."""
+        import torch.nn.functional as F
+
+        heads = k.shape[1] if head_space == "kv" else q.shape[1]
+        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|sdpa"
+        if key not in self._cache:
+            gqa = q.shape[1] != k.shape[1]
+            self._cache[key] = self._time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa))
+            self.timed += 1
+            self._dirty = True
+        return torch.full((heads,), self._cache[key] / heads, dtype=torch.float64)
+
     def _time(self, run: Callable[[], None]) -> float:
         """Median ms of ``reps`` launches after a warm-up (which compiles on first use)."""
         run()
