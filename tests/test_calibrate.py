@@ -133,6 +133,31 @@ def test_default_space_is_table3():
     assert (at4k.sink, at4k.local) == (128, 512)  # scaled by 4096 / 32768
 
 
+def test_wide_space_keeps_its_streaming_heads_unscaled():
+    # A streaming head is sink 64 + a few hundred tokens at any length; the rest of the space scales
+    space = load_space("wide")
+    fixed = [c for c in space.candidates if not c.scaled]
+    assert [(c.params["sink"], c.params["local"]) for c in fixed] == [(64, 256), (64, 512), (64, 1024)]
+    for tokens in (2048, 8192, 32768):
+        assert [(p.sink, p.local) for p in (space.resolve(c, tokens) for c in fixed)] == [(64, 256), (64, 512), (64, 1024)]
+    scaled = next(c for c in space.candidates if c.scaled and c.pattern == "ashape")
+    assert space.resolve(scaled, 8192).local == scaled.params["local"] // 4
+    assert fixed[0].key.endswith(" fixed") and len({c.key for c in space.candidates}) == len(space.candidates)
+
+
+def test_unscaled_candidates_survive_the_work_files():
+    # calibrate --resume reads the layer files back: an unscaled entry must stay one
+    from sparsesearch.search.layer import Scored, Timings
+    from sparsesearch.search.space import Candidate
+    from sparsesearch.search.workfiles import scores_from_json, scores_to_json
+    import torch
+
+    one = torch.zeros(1, dtype=torch.float64)
+    scored = [Scored(Candidate("ashape", {"sink": 64, "local": 256}, None, scaled), [None], one, one, one, one) for scaled in (False, True)]
+    back, _, _ = scores_from_json(json.loads(json.dumps(scores_to_json(scored, one, Timings()))))
+    assert [s.candidate.scaled for s in back] == [False, True] and back[0].candidate.key != back[1].candidate.key
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not valid JSON"),
     (json.dumps({**SPACE, "format": 2}), "format must be 1"),
@@ -140,6 +165,7 @@ def test_default_space_is_table3():
     (json.dumps({**SPACE, "candidates": [{"pattern": "ashape", "params": {"sink": -1, "local": 8}}]}), "sink must be >= 0"),
     (json.dumps({**SPACE, "candidates": [{"pattern": "ashape", "params": {"radius": 3}}]}), "no parameter"),
     (json.dumps({**SPACE, "block_m": 48}), "block_m must be"),
+    (json.dumps({**SPACE, "candidates": [{"pattern": "ashape", "params": {"sink": 64, "local": 256}, "scaled": "no"}]}), "scaled must be true or false"),
 ])
 def test_bad_search_space_files(tmp_path, content, message):
     path = tmp_path / "bad.json"

@@ -2,9 +2,11 @@
 
 A search space is a JSON file (``search_spaces/*.json`` ships the default; users pass their own): a name,
 ``reference_tokens``, block sizes, a ``target`` pattern whose cost is the budget (plus ``budget_slack``),
-and ``candidates`` — {pattern, params, modalities?}. Token-count parameters listed in ``scaled_params``
+and ``candidates`` — {pattern, params, modalities?, scaled?}. Token-count parameters listed in ``scaled_params``
 are sized for ``reference_tokens`` and scale down linearly for shorter calibration inputs (never up), so a
-4K-token calibration searches the same shapes at 1/8 the size. Grid ``stride`` is an int, "frame_stride"
+4K-token calibration searches the same shapes at 1/8 the size; a candidate with ``"scaled": false`` keeps its
+token counts at every length (a StreamingLLM/DuoAttention streaming head is sink 64 + a few hundred local
+tokens whatever the context). Grid ``stride`` is an int, "frame_stride"
 (from the calibration sample) or "estimate" (online stride/phase search, paper 000 Alg. 1).
 """
 
@@ -33,11 +35,12 @@ class Candidate:
     pattern: str
     params: dict
     modalities: tuple[str, ...] | None = None  # None: every modality
+    scaled: bool = True  # False: token counts as written at every length
 
     @property
     def key(self) -> str:
-        """Stable identifier: pattern plus sorted params."""
-        return self.pattern + json.dumps(self.params, sort_keys=True)
+        """Stable identifier: pattern plus sorted params (and "fixed" for an unscaled entry)."""
+        return self.pattern + json.dumps(self.params, sort_keys=True) + ("" if self.scaled else " fixed")
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class SearchSpace:
                     value = frame_stride
                 else:
                     value = None  # estimated per head at search time
-            elif name in self.scaled_params and isinstance(value, int):
+            elif candidate.scaled and name in self.scaled_params and isinstance(value, int):
                 value = max(ROUND, int(round(value * factor / ROUND)) * ROUND)
             values[name] = value
         if candidate.pattern == "grid" and values.get("stride") is None:
@@ -170,4 +173,7 @@ def _candidate(entry, where: str) -> Candidate:
         if not isinstance(modalities, list) or any(m not in MODALITY_NAMES for m in modalities):
             raise ValueError(f"{where}: modalities must be a list of {MODALITY_NAMES}, got {modalities!r}")
         modalities = tuple(modalities)
-    return Candidate(pattern, dict(params), modalities)
+    scaled = entry.get("scaled", True)
+    if not isinstance(scaled, bool):
+        raise ValueError(f"{where}: scaled must be true or false, got {scaled!r}")
+    return Candidate(pattern, dict(params), modalities, scaled)

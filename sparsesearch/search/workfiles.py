@@ -33,6 +33,7 @@ def scores_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings,
             {
                 "pattern": s.candidate.pattern, "params": s.candidate.params,
                 "modalities": list(s.candidate.modalities) if s.candidate.modalities else None,
+                **({} if s.candidate.scaled else {"scaled": False}),
                 "head_params": [dataclasses.asdict(p) if p is not None else None for p in s.params],
                 "head_patterns": [type(p).__module__.rsplit(".", 1)[-1] if p is not None else None for p in s.params],
                 "error": s.error.tolist(), "recall": s.recall.tolist(), "density": s.density.tolist(), "cost_ms": s.cost_ms.tolist(),
@@ -45,7 +46,7 @@ def scores_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings,
 def scores_from_json(data: dict) -> tuple[list[Scored], torch.Tensor, Timings]:
     scored = []
     for c in data["candidates"]:
-        cand = Candidate(c["pattern"], c["params"], tuple(c["modalities"]) if c["modalities"] else None)
+        cand = Candidate(c["pattern"], c["params"], tuple(c["modalities"]) if c["modalities"] else None, c.get("scaled", True))
         params = [PARAMS[pat](**p) if p is not None else None for pat, p in zip(c["head_patterns"], c["head_params"])]
         t = lambda name: torch.tensor(c[name], dtype=torch.float64)
         scored.append(Scored(cand, params, t("error"), t("recall"), t("density"), t("cost_ms")))
