@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gemma_gpu.sh stash PART_DIR         # keep one transferred part of the GGUF in $PARTS
 #   bash benchmarks/gemma_gpu.sh join                   # join the parts, check the checksum, install the wheels
-#   bash benchmarks/gemma_gpu.sh calibrate              # P11: searched artifacts at 8K/16K/32K, spread over 4 GPUs
+#   bash benchmarks/gemma_gpu.sh calibrate              # P11: searched artifacts at 8K/16K/32K, spread over $GPUS
 #   bash benchmarks/gemma_gpu.sh pareto GPU TOKENS      # P11: the Pareto of one length, and passkey x 20 per artifact
 #   bash benchmarks/gemma_gpu.sh guard GPU TOKENS       # P11: --target-kl 0.02 with the retrieval guard, passkey x 20
 #   bash benchmarks/gemma_gpu.sh spava GPUS             # P15 §2: SPAVA on two GPUs (GPUS e.g. 2,3)
@@ -35,7 +35,7 @@ calib() {
     local gpu=$1 t=$2 kl=$3 dir=$RES/p11/$2
     [ -f "$dir/a/kl$kl/manifest.json" ] && return 0
     CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh calibrate "$G" "kl$kl" \
-        --search-space wide --target-kl "$kl" --allow-miss --head-space query --device cuda --resume
+        --search-space wide --target-kl "$kl" --allow-miss --head-space query --device cuda --resume --search-dir "$dir/search"
 }
 
 case $mode in
@@ -46,12 +46,16 @@ join)
     echo "$SHA  $G" | sha256sum -c - || exit 1
     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1 ;;
 calibrate)
-    # 32K dominates: one target per GPU there, then an 8K target each; the fourth GPU takes 16K.
-    for i in 0 1 2; do
-        kl=$(echo 0.05 0.02 0.005 | cut -d' ' -f$((i + 1)))
-        (calib $i 32768 "$kl"; calib $i 8192 "$kl") &
+    # Lengths, longest first, dealt round-robin over $GPUS (default 0 1 2 3); each length's targets run one after
+    # another on its GPU, the first searching and the others allocating from its kept search (--search-dir).
+    # LENGTHS and TARGETS narrow the jobs (e.g. LENGTHS="16384 32768" GPUS=0 on a one-GPU host).
+    read -r -a gpus <<<"${GPUS:-0 1 2 3}"
+    read -r -a lengths <<<"$(echo "${LENGTHS:-8192 16384 32768}" | tr ' ' '\n' | sort -rn | tr '\n' ' ')"
+    for g in "${!gpus[@]}"; do
+        (for ((j = g; j < ${#lengths[@]}; j += ${#gpus[@]})); do
+            for kl in ${TARGETS:-0.05 0.02 0.005}; do calib "${gpus[g]}" "${lengths[j]}" "$kl"; done
+        done) &
     done
-    (for kl in 0.05 0.02 0.005; do calib 3 16384 "$kl"; done) &
     wait
     for d in "$RES"/p11/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;
 pareto)

@@ -35,7 +35,8 @@ def calibrate(
     retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey prompts at --max-tokens whose answers (those dense gives) the chosen point must keep; it moves up the path until none is lost. 0: off.")] = 4,
     allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/ (or --search-dir).")] = False,
+    search_dir: Annotated[Optional[Path], typer.Option(help="Keep the per-layer search here (default OUT.partial/, removed when done): later runs at another quality target with --resume and the same directory allocate from it without searching again.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact already at --out.")] = False,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the hub.")] = False,
     device: DeviceOpt = "auto",
@@ -59,7 +60,7 @@ def calibrate(
 
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
-                          resume=resume, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
+                          resume=resume, search_dir=search_dir, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
                           trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
                           latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples, retrieval_guard=retrieval_guard, gpus=gpus,
                           device_map=read_device_map(device_map), max_memory=parse_max_memory(max_memory),

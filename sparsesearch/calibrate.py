@@ -18,6 +18,9 @@ artifact is the same. ``device_map`` / ``max_memory`` split a model one GPU cann
 Resume: ``OUT.partial/state.json`` fingerprints the run (model revision, data hash, search space hash,
 settings); per (sample, layer) score files are skipped on ``resume=True``, so a killed run loses at most
 the layer in progress and ends with the same artifact (scores round-trip exactly through JSON).
+``search_dir`` keeps those files in a directory of the caller's instead (kept after the run): the quality
+target is not part of the fingerprint, so runs at other targets with ``resume=True`` allocate from the same
+search without repeating it (a --target-kl sweep costs one search, not one per target).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class CalibrateConfig:
     allow_miss: bool = False
     tune_samples: int = 2  # --target-kl: calibration-stream prompts the KL is measured on (after the searched ones)
     retrieval_guard: int = 4  # --target-kl: passkey prompts whose answers the chosen point must keep (tuning.py); 0: off
+    search_dir: Path | None = None  # the per-layer search files, kept (None: OUT.partial/, removed when done)
     trust_remote_code: bool = False
     created: str | None = None  # fixed creation time (tests, reproducible bytes)
     gpus: int = 1  # search workers, one per GPU (search/spread.py); 1: searched in-process, inside the forward
@@ -172,6 +176,7 @@ def preflight(cfg: CalibrateConfig):
     from . import preflight as check
 
     check_config(cfg)
+    check_search_dir(cfg)
     space = load_space(cfg.search_space)
     check.out_dir("--out", cfg.out, overwrite=cfg.overwrite)
     # The context first: a length past it is refused as that, not as data too short to hold it.
@@ -206,9 +211,29 @@ def _fingerprint(cfg: CalibrateConfig, info, data_sha: str, space_sha: str, devi
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
+def work_dir(cfg: CalibrateConfig) -> Path:
+    """Where the per-layer search files go: --search-dir, else OUT.partial/."""
+    return cfg.search_dir if cfg.search_dir is not None else cfg.out.with_name(cfg.out.name + ".partial")
+
+
+def check_search_dir(cfg: CalibrateConfig) -> None:
+    """ValueError (exit 2, before the model loads) for a --search-dir that is not ours to fill or clear: a file,
+    the artifact's own directory, or a directory holding anything but a calibrate search (state.json)."""
+    path = cfg.search_dir
+    if path is None:
+        return
+    if path.resolve() == cfg.out.resolve() or cfg.out.resolve() in path.resolve().parents:
+        raise ValueError(f"--search-dir {path} is --out or inside it; give a directory of its own")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--search-dir {path} is a file")
+    if path.is_dir() and any(path.iterdir()) and not (path / "state.json").is_file():
+        raise ValueError(f"--search-dir {path} holds files that are not a calibrate search (no state.json); give an empty or new directory")
+
+
 def _prepare_workdir(cfg: CalibrateConfig, fingerprint: str) -> tuple[Path, str]:
-    """OUT.partial/ with state.json; returns (dir, created). Without resume any old partial state is dropped."""
-    work = cfg.out.with_name(cfg.out.name + ".partial")
+    """The search directory with state.json; returns (dir, created). Without resume any old search state is
+    dropped (``check_search_dir`` made sure a given directory holds nothing else)."""
+    work = work_dir(cfg)
     state_path = work / "state.json"
     if cfg.resume and state_path.is_file():
         state = json.loads(state_path.read_text())
@@ -415,7 +440,7 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
                          "(boundary search over modality regions) is not supported with --target-kl/--max-output-error/--latency-budget")
     cfg = _with_default_target(cfg, samples)
     data_sha = sha256_of(samples)
-    resumed = cfg.resume and (cfg.out.with_name(cfg.out.name + ".partial") / "state.json").is_file()
+    resumed = cfg.resume and (work_dir(cfg) / "state.json").is_file()
     work, created = _prepare_workdir(cfg, _fingerprint(cfg, info, data_sha, space.sha256, device))
     notes = [resumed_note(work)] if resumed else []
     if notes:
@@ -554,7 +579,8 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
             curve_png = draw_budget_curve(manifest["methods"]["mminference"]["target"], info, cfg.out.with_name(cfg.out.name + ".budget.png"))
         except ImportError:  # matplotlib missing
             curve_png = None
-    shutil.rmtree(work, ignore_errors=True)
+    if cfg.search_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
     timings = {"search_s": search_s, **dataclasses.asdict(total)}
     return CalibrationResult(path, manifest, rows, timings, fidelity, png, notes=notes, curve_png=curve_png)
 

@@ -214,6 +214,38 @@ def test_resume_gives_the_identical_artifact(tiny_model, space_file, tmp_path):
     assert a["methods"]["mminference"]["fidelity"] == b["methods"]["mminference"]["fidelity"]
 
 
+def test_a_kept_search_serves_other_targets_without_searching_again(tiny_model, space_file, tmp_path):
+    # --search-dir keeps the per-layer files; a run at another target with --resume allocates from them
+    search = tmp_path / "search"
+    first = calibrate(_cfg(tiny_model, tmp_path / "a", space_file, max_output_error=0.5, allow_miss=True, search_dir=search))
+    assert (search / "state.json").is_file() and first.path.is_dir()
+    ticks = []
+    reused = calibrate(_cfg(tiny_model, tmp_path / "b", space_file, max_output_error=0.05, allow_miss=True, search_dir=search, resume=True),
+                       Progress(layer=lambda *a: ticks.append(a)))
+    assert ticks == [] and "searched only what is missing" in reused.notes[0]  # no layer was searched again
+    fresh = calibrate(_cfg(tiny_model, tmp_path / "c", space_file, max_output_error=0.05, allow_miss=True))
+    assert (tmp_path / "b" / "heads.parquet").read_bytes() == (tmp_path / "c" / "heads.parquet").read_bytes()
+    assert not (tmp_path / "c.partial").exists() and (search / "state.json").is_file()  # only the given directory is kept
+    with pytest.raises(ValueError, match="other settings"):  # a search without a target scored other candidates
+        calibrate(_cfg(tiny_model, tmp_path / "d", space_file, search_dir=search, resume=True))
+
+
+@pytest.mark.parametrize("setup, flag, message", [
+    (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "--search-dir", "not a calibrate search"),
+    (lambda d: d.write_text("mine"), "--search-dir", "is a file"),
+    (lambda d: None, "--out-inside", "is --out or inside it"),
+])
+def test_a_search_dir_that_is_not_ours_exits_2_and_is_left_alone(tiny_model, space_file, tmp_path, setup, flag, message):
+    target = tmp_path / "s"
+    setup(target)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    search = tmp_path / "a" / "search" if flag == "--out-inside" else target
+    result = CliRunner().invoke(app, ["calibrate", "--model", tiny_model, "--search-space", str(space_file), "--eval-data", "",
+                                      "--out", str(tmp_path / "a"), "--search-dir", str(search)])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_heads_carry_why_the_pick_is_not_the_best_admissible(tiny_model, tmp_path):
     # A target cheaper than every candidate: no head has an admissible candidate, each takes the cheapest,
     # and heads.parquet says so per head (search/layer.py choose_head's reason).
