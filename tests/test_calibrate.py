@@ -14,8 +14,9 @@ from sparsesearch.artifacts import load_artifact
 from sparsesearch.artifacts.schema import ArtifactError, validate
 from sparsesearch.calibrate import CalibrateConfig, Progress, calibrate, eval_specs
 from sparsesearch.search.cost import AnalyticCost
-from sparsesearch.search.layer import head_rows, score_layer
-from sparsesearch.search.space import load_space
+from sparsesearch.search.layer import Scored, Timings, head_rows, score_layer
+from sparsesearch.search.space import Candidate, load_space
+from sparsesearch.search.workfiles import scores_from_json, scores_to_json
 from sparsesearch_cli.app import app
 from tiny_model import make_tiny_model
 
@@ -147,11 +148,6 @@ def test_wide_space_keeps_its_streaming_heads_unscaled():
 
 def test_unscaled_candidates_survive_the_work_files():
     # calibrate --resume reads the layer files back: an unscaled entry must stay one
-    from sparsesearch.search.layer import Scored, Timings
-    from sparsesearch.search.space import Candidate
-    from sparsesearch.search.workfiles import scores_from_json, scores_to_json
-    import torch
-
     one = torch.zeros(1, dtype=torch.float64)
     scored = [Scored(Candidate("ashape", {"sink": 64, "local": 256}, None, scaled), [None], one, one, one, one) for scaled in (False, True)]
     back, _, _ = scores_from_json(json.loads(json.dumps(scores_to_json(scored, one, Timings()))))
@@ -223,7 +219,7 @@ def test_a_kept_search_serves_other_targets_without_searching_again(tiny_model, 
     reused = calibrate(_cfg(tiny_model, tmp_path / "b", space_file, max_output_error=0.05, allow_miss=True, search_dir=search, resume=True),
                        Progress(layer=lambda *a: ticks.append(a)))
     assert ticks == [] and "searched only what is missing" in reused.notes[0]  # no layer was searched again
-    fresh = calibrate(_cfg(tiny_model, tmp_path / "c", space_file, max_output_error=0.05, allow_miss=True))
+    calibrate(_cfg(tiny_model, tmp_path / "c", space_file, max_output_error=0.05, allow_miss=True))
     assert (tmp_path / "b" / "heads.parquet").read_bytes() == (tmp_path / "c" / "heads.parquet").read_bytes()
     assert not (tmp_path / "c.partial").exists() and (search / "state.json").is_file()  # only the given directory is kept
     with pytest.raises(ValueError, match="other settings"):  # a search without a target scored other candidates
