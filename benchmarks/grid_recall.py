@@ -42,6 +42,7 @@ from benchmarks.permuted import mask_density
 from benchmarks.timing import call_ms, cpu_clock, cuda_clock
 from sparsesearch.index import stack
 from sparsesearch.kernels import block_sparse_attention
+from sparsesearch.kernels.dynamic_index import vertical_slash_build, vertical_slash_refusal
 from sparsesearch.patterns import grid, vertical_slash
 from sparsesearch.reference import admitted_mass, index_mask_fn
 
@@ -106,12 +107,12 @@ def recall(q, k, rows, weights, mask_fn) -> dict:
 
 def vs_build(params: vertical_slash.VerticalSlashParams, q, k, block_m: int, block_n: int):
     """The layer's vertical-slash index, and how it was built: fused, else torch one KV head at a time."""
-    if q.is_cuda and vertical_slash.fused_refusal(params, q, k, block_n=block_n) is None:
-        index = vertical_slash.build_index(params, q, k, head_space="kv", block_m=block_m, block_n=block_n, fused=True)
+    if q.is_cuda and vertical_slash_refusal(params, q, k, block_n=block_n) is None:
+        index = vertical_slash_build(params, q, k, head_space="kv", block_m=block_m, block_n=block_n, fused=True)
         return index, "fused"
     group = q.shape[1] // k.shape[1]
     parts = [vertical_slash.build_index(params, q[:, h * group: (h + 1) * group], k[:, h: h + 1], head_space="kv",
-                                        block_m=block_m, block_n=block_n, fused=False) for h in range(k.shape[1])]
+                                        block_m=block_m, block_n=block_n) for h in range(k.shape[1])]
     return stack(parts, dim=1), "torch per KV head"
 
 

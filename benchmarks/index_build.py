@@ -20,7 +20,6 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import shlex
 import sys
@@ -33,8 +32,8 @@ import torch.nn.functional as F
 from benchmarks.timing import cuda_clock, interleaved_ms
 from sparsesearch.execute import HeadGroup, StaticIndexCache, build_group_index, estimate_heads, sparse_attend
 from sparsesearch.index import BlockIndex
+from sparsesearch.kernels.dynamic_index import BUILDS, build
 from sparsesearch.patterns import block_topk, vertical_slash
-from sparsesearch.patterns.registry import pattern
 
 
 def groups(n: int, kv_heads: int) -> list[HeadGroup]:
@@ -49,18 +48,17 @@ def groups(n: int, kv_heads: int) -> list[HeadGroup]:
 def fused_build(g: HeadGroup, q, k, *, fused: bool) -> Callable[[], BlockIndex]:
     """The group's static-widths build on its own heads (what graphed.py captures), fused or torch; the
     head slicing runs outside, so the call times the build alone."""
-    module = pattern(g.pattern)
     q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], "kv")
     qs = q.index_select(1, torch.tensor(q_ids, device=q.device))
     ks = k.index_select(1, torch.tensor(kv_ids, device=q.device))
-    return lambda: module.build_index(g.params, qs, ks, head_space="kv", block_m=g.block_m, block_n=g.block_n,
-                                      static_widths=True, fused=fused)
+    return lambda: build(g.pattern, g.params, qs, ks, head_space="kv", block_m=g.block_m, block_n=g.block_n,
+                         static_widths=True, fused=fused)
 
 
 def has_fused(g: HeadGroup, q, k) -> bool:
-    """Whether the pattern has a fused build (its build_index takes ``fused``) and it takes these inputs
+    """Whether the pattern has a fused build (kernels/dynamic_index.py BUILDS) and it takes these inputs
     (one build, refused or not)."""
-    if "fused" not in inspect.signature(pattern(g.pattern).build_index).parameters:
+    if g.pattern not in BUILDS:
         return False
     try:
         fused_build(g, q, k, fused=True)()

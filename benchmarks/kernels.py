@@ -48,6 +48,7 @@ import triton
 from benchmarks.timing import cuda_clock, graphed, interleaved_ms, l2_flush
 from sparsesearch.index import BlockIndex, to_block_masks
 from sparsesearch.kernels import block_sparse_attention, triangle_attention
+from sparsesearch.kernels.dynamic_index import block_topk_build
 from sparsesearch.patterns import ashape, block_topk, triangle, vertical_slash
 from sparsesearch.reference import index_mask_fn, masked_attention, predicate_mask_fn, relative_error
 
@@ -137,7 +138,7 @@ def make_cases(n: int, q, k, args):
             kb = max(1, round(target * causal_blocks) - 2)
             params = block_topk.BlockTopKParams(k_blocks=kb, sink_blocks=1)
             cases.append((f"block_topk_{int(target * 100)}pct{suffix}", {"k_blocks": kb, "block": block},
-                          lambda p=params, b=block: (block_topk.build_index(p, q, k, head_space="kv", block_m=b, block_n=b), None, "causal", None)))
+                          lambda p=params, b=block: (block_topk_build(p, q, k, head_space="kv", block_m=b, block_n=b), None, "causal", None)))
         cases.append((f"ashape_128_4096{suffix}", {"sink": 128, "local": 4096, "block": block},
                       lambda b=block: (ashape.build_index(a, n, heads=h_kv, block_m=b, block_n=b, head_space="kv", device=dev), None, ashape.predicate(a), None)))
     gen = torch.Generator().manual_seed(0)

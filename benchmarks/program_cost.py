@@ -53,11 +53,12 @@ def sdpa_tile_us(sdpa_ms: float, n: int, block: int) -> float:
 
 def cases(q, k, k_blocks: list[int], block: int) -> dict:
     """name -> index: block top-k per k_blocks, plus diag_only and null (from the smallest top-k's lists)."""
+    from sparsesearch.kernels.dynamic_index import block_topk_build
     from sparsesearch.patterns import block_topk
 
     out = {}
     for kb in k_blocks:
-        out[f"topk_kb{kb}"] = block_topk.build_index(
+        out[f"topk_kb{kb}"] = block_topk_build(
             block_topk.BlockTopKParams(k_blocks=kb, sink_blocks=1), q, k, head_space="kv", block_m=block, block_n=block)
     first = out[f"topk_kb{min(k_blocks)}"]
     zero = torch.zeros_like(first.full_count)

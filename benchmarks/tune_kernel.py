@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from benchmarks.kernels import bench, computed_density
 from sparsesearch.kernels import block_sparse_attention
+from sparsesearch.kernels.dynamic_index import block_topk_build
 from sparsesearch.patterns import block_topk, dense, vertical_slash
 
 
@@ -30,7 +31,7 @@ def indices(q, k, n: int, block: int, densities: list[float], vs: list[str]) -> 
     out = {"dense": dense.build_index(dense.DenseParams(), n, heads=k.shape[1], block_m=block, block_n=block, head_space="kv", device="cuda")}
     for d in densities:
         params = block_topk.BlockTopKParams(k_blocks=max(1, round(d * n / block / 2)))
-        out[f"topk{round(d * 100)}"] = block_topk.build_index(params, q, k, head_space="kv", block_m=block, block_n=block)
+        out[f"topk{round(d * 100)}"] = block_topk_build(params, q, k, head_space="kv", block_m=block, block_n=block)
     gen = torch.Generator().manual_seed(0)
     for spec in vs:
         n_vert, n_slash = (int(x) for x in spec.split(","))

@@ -69,13 +69,16 @@ def build_group_index(g: HeadGroup, q: torch.Tensor, k: torch.Tensor, space: str
     the group's own q/k heads (q [B, Hq, Nq, D], k [B, Hkv, Nk, D]; the result has len(g.heads) heads).
     row_pos: a permuted modality region's frame (patterns/boundary.py); patterns without a region form
     (registry fact REGION False) refuse it."""
+    from .kernels.dynamic_index import build  # Triton loads on the first dynamic build, not with the executor
+
     module = pattern(g.pattern)
     if not module.DYNAMIC:
         return static_index(g, q.shape[2], k.shape[2], space, q.device, batch=q.shape[0], row_pos=row_pos)
     q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)
     q_ids, kv_ids = device_ids(tuple(q_ids), q.device), device_ids(tuple(kv_ids), q.device)
-    return module.build_index(g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space,
-                              block_m=g.block_m, block_n=g.block_n, **_frame(g.pattern, row_pos))
+    # Through the kernels' choice: the fused Triton build where it takes the inputs, else the pattern's torch build.
+    return build(g.pattern, g.params, q.index_select(1, q_ids), k.index_select(1, kv_ids), head_space=space,
+                 block_m=g.block_m, block_n=g.block_n, **_frame(g.pattern, row_pos))
 
 
 def estimate_heads(g: HeadGroup, group: int, space: str) -> tuple[list[int], list[int]]:
@@ -135,12 +138,12 @@ class StaticIndexCache:
         graph replay when it may (valid until the group's next call: consume it first)."""
         if REGISTRY[g.pattern].DYNAMIC:
             from .graphed import usable
-            from .kernels.index_build import wants_fused
+            from .kernels.dynamic_index import fused_refusal, wants_fused
 
             # A fused Triton build (kernels/index_build.py, 2-4 launches) beats a graph replay of the torch
             # build, whose two index_select copies alone cost more (H200, 8K: 0.11 vs 0.22 ms, RESULTS). The
-            # question is the one build_index itself asks (same rule: a graph only where it would not fuse).
-            refusal = lambda: pattern(g.pattern).fused_refusal(g.params, q, k, block_n=g.block_n)  # noqa: E731
+            # question is the one dynamic_index.build itself asks (same rule: a graph only where it would not fuse).
+            refusal = lambda: fused_refusal(g.pattern, g.params, q, k, block_n=g.block_n)  # noqa: E731
             if wants_fused(None, refusal, q):
                 return build_group_index(g, q, k, space)
             if self._graphs is not None and usable(q, k):

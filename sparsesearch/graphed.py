@@ -9,7 +9,7 @@ graph, and replayed: per call, two index_select launches into the graph's static
 Where the fused Triton build (kernels/index_build.py: 2 launches for block top-k, 4 for vertical-slash)
 takes the inputs, the runtime's ``execute.StaticIndexCache`` launches it directly instead: a replay's two
 index_select copies cost more than those few launches (H200, 8K: 0.22 vs 0.11 ms). Graphs remain for the
-inputs the fused build refuses (``fused_refusal`` of the pattern); a graph captured over inputs it takes
+inputs the fused build refuses (``kernels.dynamic_index.fused_refusal``); a graph captured over inputs it takes
 would capture the fused build.
 
 The index a replay returns lives in the graph's static outputs: the next replay of the same entry
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from .index import BlockIndex
-from .patterns.registry import pattern
 
 # Longest key length built through a graph. The replay saved 1.2-1.4 ms at 4K-8K but 0.3 ms at 32K (H200,
 # benchmarks/RESULTS.md), while each captured build keeps its intermediates in its own memory pool, and those
@@ -82,14 +81,14 @@ class GraphedIndexCache:
     @staticmethod
     def _capture(g, q: torch.Tensor, k: torch.Tensor, space: str) -> _Entry:
         from .execute import device_ids, estimate_heads
+        from .kernels.dynamic_index import build as build_dynamic
 
-        module = pattern(g.pattern)
         q_ids, kv_ids = estimate_heads(g, q.shape[1] // k.shape[1], space)  # the heads the eager build slices
         qi, ki = device_ids(tuple(q_ids), q.device), device_ids(tuple(kv_ids), q.device)
         sq, sk = q.index_select(1, qi), k.index_select(1, ki)
 
         def build() -> BlockIndex:
-            return module.build_index(g.params, sq, sk, head_space=space, block_m=g.block_m, block_n=g.block_n, static_widths=True)
+            return build_dynamic(g.pattern, g.params, sq, sk, head_space=space, block_m=g.block_m, block_n=g.block_n, static_widths=True)
 
         # Warm-up on a side stream (the pattern PyTorch's CUDA-graph notes give): lazy library handles and
         # the allocator's first blocks come into being outside the capture.

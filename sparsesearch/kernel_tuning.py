@@ -16,6 +16,7 @@ import torch
 from .kernels import block_sparse_attention
 from .kernels._common import interpreting
 from .kernels.block_sparse import _device_config
+from .kernels.dynamic_index import block_topk_build
 from .kernels.launch_table import TUNED, candidates, config_key, default_path, fastest, write_configs
 from .patterns import block_topk
 
@@ -58,8 +59,8 @@ def tune_one(block: int, head_dim: int, tokens: int, heads: int, kv_heads: int, 
     k = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
     v = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
     k_blocks = max(1, round(density * tokens / block / 2))
-    index = block_topk.build_index(block_topk.BlockTopKParams(k_blocks=k_blocks), q, k, head_space="kv",
-                                   block_m=block, block_n=block)
+    index = block_topk_build(block_topk.BlockTopKParams(k_blocks=k_blocks), q, k, head_space="kv",
+                             block_m=block, block_n=block)
     # The Triton kernel as the device runs it (TMA where it has it), with Hopper's warp-specialized kernel off: it
     # does not read the table.
     base = {key: val for key, val in _device_config(block, head_dim, device, interpreting(), tuned=False).items() if key != "ws"}

@@ -37,7 +37,7 @@ def test_admitted_mass_is_the_softmax_share_of_the_admitted_keys():
 
 def _vs_index(q, k, **kw):
     params = vertical_slash.VerticalSlashParams(vertical_size=12, slash_size=6, last_q=16, force_vertical=2, force_slash=2)
-    return vertical_slash.build_index(params, q, k, head_space="kv", block_m=32, block_n=32, fused=False, **kw)
+    return vertical_slash.build_index(params, q, k, head_space="kv", block_m=32, block_n=32, **kw)
 
 
 def test_index_mask_fn_expands_only_the_rows_blocks():

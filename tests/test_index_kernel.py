@@ -1,4 +1,4 @@
-"""Fused Triton index builds (sparsesearch/kernels/index_build.py) against the torch builds they replace.
+"""Fused Triton index builds (sparsesearch/kernels/index_build.py, chosen by kernels/dynamic_index.py) against the torch builds they replace.
 
 The fused index must equal the torch ``static_widths=True`` index exactly: every count and every list
 entry, padding included. Scores differ between the two only by summation order, so the data is planted
@@ -17,6 +17,7 @@ import torch
 from conftest import DEVICE
 from sparsesearch.index import validate
 from sparsesearch.kernels.block_sparse import block_sparse_attention
+from sparsesearch.kernels.dynamic_index import block_topk_build, vertical_slash_build, vertical_slash_refusal
 from sparsesearch.kernels.index_build import pool_blocks
 from sparsesearch.patterns import block_topk, vertical_slash
 
@@ -50,7 +51,7 @@ def assert_same_index(got, want):
 
 def topk_pair(params, q, k, space, block_m=16, block_n=32):
     kw = dict(head_space=space, block_m=block_m, block_n=block_n, static_widths=True)
-    return block_topk.build_index(params, q, k, fused=True, **kw), block_topk.build_index(params, q, k, fused=False, **kw)
+    return block_topk_build(params, q, k, fused=True, **kw), block_topk_build(params, q, k, fused=False, **kw)
 
 
 CASES = [  # (group, q_len, kv_len, k_blocks, sink_blocks)
@@ -146,14 +147,14 @@ def test_dispatch():
     """None: the torch build off CUDA; True refuses what the fused build cannot do, naming why."""
     q, k = planted(1, 2, 64, 16, seed=0).cpu(), planted(1, 2, 64, 16, seed=1).cpu()
     params = block_topk.BlockTopKParams(k_blocks=1, sink_blocks=1)
-    assert "fused" not in block_topk.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
+    assert "fused" not in block_topk_build(params, q, k, static_widths=True, block_m=16, block_n=16).meta
     # Insisting works without static widths too (the fused lists always have them), on the suite's device.
-    assert block_topk.build_index(params, q.to(DEVICE), k.to(DEVICE), block_m=16, block_n=16, fused=True).meta["fused"]
+    assert block_topk_build(params, q.to(DEVICE), k.to(DEVICE), block_m=16, block_n=16, fused=True).meta["fused"]
     with pytest.raises(ValueError, match="row_pos"):
-        block_topk.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True,
+        block_topk_build(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True,
                                row_pos=torch.arange(64))
     with pytest.raises(ValueError, match="dtypes"):
-        block_topk.build_index(params, q.long(), k.long(), block_m=16, block_n=16, static_widths=True, fused=True)
+        block_topk_build(params, q.long(), k.long(), block_m=16, block_n=16, static_widths=True, fused=True)
 
 
 def test_benchmark_helpers_on_cpu():
@@ -167,8 +168,8 @@ def test_benchmark_helpers_on_cpu():
     fused = bench.fused_build(g, q, k, fused=True)()
     want = build_group_index(g, q, k, "kv")  # synced widths: narrower lists, same entries
     assert fused.meta["fused"] and fused.heads == 1 and bench.same_lists(fused, want)
-    other = block_topk.build_index(g.params, q[:, 2:], k[:, 1:], head_space="kv", block_m=64, block_n=64)
-    moved = block_topk.build_index(block_topk.BlockTopKParams(k_blocks=0, sink_blocks=0), q[:, 2:], k[:, 1:],
+    other = block_topk_build(g.params, q[:, 2:], k[:, 1:], head_space="kv", block_m=64, block_n=64)
+    moved = block_topk_build(block_topk.BlockTopKParams(k_blocks=0, sink_blocks=0), q[:, 2:], k[:, 1:],
                                    head_space="kv", block_m=64, block_n=64)
     assert bench.same_lists(other, want) and not bench.same_lists(moved, want)
     row = {"pattern": "block_topk", "n": 200, "block_density": 0.5, "index_fused_over_sdpa": None, "index_graph_over_sdpa": 0.1}
@@ -227,7 +228,7 @@ def separated_qk(params, batch, q_heads, kv_heads, q_len, kv_len, space, dtype=t
 
 def vs_pair(params, q, k, space, block_m=16, block_n=32):
     kw = dict(head_space=space, block_m=block_m, block_n=block_n, static_widths=True)
-    return vertical_slash.build_index(params, q, k, fused=True, **kw), vertical_slash.build_index(params, q, k, fused=False, **kw)
+    return vertical_slash_build(params, q, k, fused=True, **kw), vertical_slash_build(params, q, k, fused=False, **kw)
 
 
 def assert_same_lines(got, want):
@@ -357,7 +358,7 @@ def test_fused_vertical_slash_refuses_too_many_candidates(monkeypatch):
     monkeypatch.setattr(index_build, "VS_TOP_LANES", 64)
     params = vertical_slash.VerticalSlashParams(vertical_size=40, slash_size=8, last_q=16)
     q, k = torch.randn(1, 2, 300, DIM, device=DEVICE), torch.randn(1, 2, 333, DIM, device=DEVICE)
-    assert "takes at most 32" in vertical_slash.fused_refusal(params, q, k)
+    assert "takes at most 32" in vertical_slash_refusal(params, q, k)
 
 
 def test_fused_vertical_slash_bf16_inputs():
@@ -395,11 +396,11 @@ def test_fused_vertical_slash_index_drives_the_kernel_like_the_torch_index():
 def test_vertical_slash_dispatch():
     params = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=128)
     q, k = torch.randn(1, 2, 200, DIM), torch.randn(1, 2, 200, DIM)
-    assert "fused" not in vertical_slash.build_index(params, q, k, static_widths=True, block_m=16, block_n=16).meta
+    assert "fused" not in vertical_slash_build(params, q, k, static_widths=True, block_m=16, block_n=16).meta
     with pytest.raises(ValueError, match="last_q 128"):
-        vertical_slash.build_index(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True)
+        vertical_slash_build(params, q, k, block_m=16, block_n=16, static_widths=True, fused=True)
     with pytest.raises(ValueError, match="head_dim 8"):
-        vertical_slash.build_index(params, q[..., :8], k[..., :8], block_m=16, block_n=16, static_widths=True, fused=True)
+        vertical_slash_build(params, q[..., :8], k[..., :8], block_m=16, block_n=16, static_widths=True, fused=True)
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled (not interpreted) kernels need a GPU")
@@ -415,18 +416,18 @@ def test_unasked_fused_build_takes_wide_key_axes():
     q, k = planted(1, 2, 64, 16, seed=0).cuda(), planted(1, 1, MAX_KEY_BLOCKS * 16, 16, seed=1).cuda()
     params = block_topk.BlockTopKParams(k_blocks=2, sink_blocks=1)
     kw = dict(head_space="kv", block_m=16, block_n=16)
-    assert block_topk.build_index(params, q, k, **kw).meta["fused"]
-    assert block_topk.build_index(params, q, k, static_widths=True, **kw).meta["fused"]
+    assert block_topk_build(params, q, k, **kw).meta["fused"]
+    assert block_topk_build(params, q, k, static_widths=True, **kw).meta["fused"]
     long_k = planted(1, 1, (MAX_KEY_BLOCKS + 1) * 16, 16, seed=1).cuda()
-    assert "fused" not in block_topk.build_index(params, q, long_k, **kw).meta
+    assert "fused" not in block_topk_build(params, q, long_k, **kw).meta
     with pytest.raises(ValueError, match=f"{MAX_KEY_BLOCKS + 1} key blocks"):
-        block_topk.build_index(params, q, long_k, fused=True, **kw)
+        block_topk_build(params, q, long_k, fused=True, **kw)
     vs = vertical_slash.VerticalSlashParams(vertical_size=8, slash_size=8, last_q=16)
-    assert vertical_slash.build_index(vs, q, k, **kw).meta["fused"]  # 2048 key blocks: a chunked top-k
+    assert vertical_slash_build(vs, q, k, **kw).meta["fused"]  # 2048 key blocks: a chunked top-k
     # Vertical-slash walks key blocks in tiles at narrow widths: no key-axis limit.
-    got = vertical_slash.build_index(vs, q, long_k, static_widths=True, **kw)
+    got = vertical_slash_build(vs, q, long_k, static_widths=True, **kw)
     assert got.meta["fused"] and got.full_idx.shape[-1] == 8 * 2
-    assert_same_index(got, vertical_slash.build_index(vs, q, long_k, static_widths=True, fused=False, **kw))
+    assert_same_index(got, vertical_slash_build(vs, q, long_k, static_widths=True, fused=False, **kw))
 
 
 @GPU
@@ -438,10 +439,10 @@ def test_fused_builds_on_gpu_equal_torch(space):
     q = torch.cat([q, torch.zeros_like(q)], -1)  # head_dim 128, the planted half carries the scores
     kw = dict(head_space=space, static_widths=True)
     params = block_topk.BlockTopKParams(k_blocks=3, sink_blocks=1)
-    assert_same_index(block_topk.build_index(params, q, k, **kw), block_topk.build_index(params, q, k, fused=False, **kw))
+    assert_same_index(block_topk_build(params, q, k, **kw), block_topk_build(params, q, k, fused=False, **kw))
     vs = vertical_slash.VerticalSlashParams(vertical_size=64, slash_size=128, last_q=64, force_vertical=30, force_slash=64)
     q, k = separated_qk(vs, 1, 8, 2, 1024, 1024, space)
     q, k = q.cuda(), k.cuda()
-    got, want = vertical_slash.build_index(vs, q, k, **kw), vertical_slash.build_index(vs, q, k, fused=False, **kw)
+    got, want = vertical_slash_build(vs, q, k, **kw), vertical_slash_build(vs, q, k, fused=False, **kw)
     assert got.meta["fused"]
     assert_same_index(got, want)

@@ -28,8 +28,6 @@ FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 
 # (importing module, imported top-level name): the back-arrows to remove, each a P13 item.
 KNOWN = {
-    ("sparsesearch.patterns.block_topk", "kernels"),  # fused index builds: patterns call kernels
-    ("sparsesearch.patterns.vertical_slash", "kernels"),
     ("sparsesearch.runtime.hf", "nosa"),  # the runtime routes every call through nosa.engine.route
     ("sparsesearch.runtime.offload_cache", "nosa"),
 }

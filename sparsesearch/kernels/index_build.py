@@ -23,8 +23,8 @@ order-preserving int32 keys; up to FEW_TAKES picks are that many max rounds over
 lane (ties to the lower id), more are 32 rounds of bisection for the k-th largest key, the tied ones taken
 in id order (a prefix count). Either reproduces the reference's stable sort exactly.
 
-Identity frame only (queries bottom-right aligned, q_len <= kv_len); the callers keep the torch path for
-a permuted region (row_pos) and for inputs ``fusable`` / ``vs_fusable`` refuse. The kernels never read a
+Identity frame only (queries bottom-right aligned, q_len <= kv_len); kernels/dynamic_index.py, the one
+caller, keeps the torch path for a permuted region (row_pos) and for inputs ``fusable`` / ``vs_fusable`` refuse. The kernels never read a
 token x token tensor; the vertical-slash estimate never writes its [last_q, Nk] probabilities to HBM.
 """
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..index import BlockIndex, ColumnTable, num_blocks
-from ._common import SUPPORTED_DTYPES, block_d, dot_f32, interpreting
+from ._common import SUPPORTED_DTYPES, block_d, dot_f32
 
 # Longest key axis, in key blocks, a block top-k select program holds in registers (128K keys at block_n
 # 64); past it the torch build runs. The vertical-slash build walks key blocks a tile at a time: no limit.
@@ -217,26 +217,6 @@ def topk_fusable(q: torch.Tensor, k: torch.Tensor, block_n: int, row_pos: torch.
     if why is None and num_blocks(k.shape[2], block_n) > MAX_KEY_BLOCKS:
         why = f"{num_blocks(k.shape[2], block_n)} key blocks > {MAX_KEY_BLOCKS}"
     return why
-
-
-def wants_fused(fused: bool | None, refusal, q: torch.Tensor) -> bool:
-    """Whether a pattern's build_index takes its fused path: ``fused`` None on CUDA tensors where
-    ``refusal()`` (the pattern's ``*fusable`` check: a reason, or None) has none; True always (ValueError
-    naming why it cannot); False never. The fused index always has static widths (block top-k: lists as wide
-    as the key blocks; vertical-slash: ``vertical_slash.list_widths``), which every consumer reads as well as
-    the narrow ones (entries past a count are never read). Measured on an H200 (32/8 heads, 32K-1M keys):
-    static or not, the fused build is faster than the torch one (vertical-slash 7-19x; block top-k 3.3x at
-    32K, 1.08x at 128K) and peaks at 1/12-1/40 of its memory
-    (the torch build's [B, H, QB, KB] sorts), so an unasked build never prefers torch for narrower lists
-    (benchmarks/RESULTS.md, sessions 9-11)."""
-    if fused is False or (fused is None and not q.is_cuda):
-        return False
-    why = refusal()
-    if why is None and not q.is_cuda and not interpreting():
-        why = f"q is on {q.device}: compiled Triton takes CUDA tensors (TRITON_INTERPRET=1 runs it on CPU)"
-    if why is not None and fused:
-        raise ValueError(f"fused index build refused: {why}")
-    return why is None
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ where the forced ones sit does not, so ``density`` is exact without data.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -154,32 +153,12 @@ def build_index(
     block_n: int = 64,
     row_pos: torch.Tensor | None = None,
     static_widths: bool = False,
-    fused: bool | None = None,
 ) -> BlockIndex:
     """select + index_from_selection; ``meta["selection"]`` keeps the BlockSelection (for ``predicate``).
-    static_widths: no device sync (``index_from_selection``).
-    fused: the Triton build (kernels/index_build.py: two launches, no [QB, KB] sort; its lists have static
-    widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (else this torch build, the
-    reference), True insists (ValueError when it cannot), False never."""
-    from ..kernels.index_build import block_topk_index, wants_fused
-
-    check_head_space(head_space)
-    _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q):
-        index, blocks = block_topk_index(q, k, params.k_blocks, params.sink_blocks, head_space=head_space,
-                                         block_m=block_m, block_n=block_n)
-        selection = BlockSelection(blocks, q_len, kv_len, block_m, block_n, head_space)
-        return dataclasses.replace(index, meta={"pattern": NAME, "selection": selection, "fused": True})
+    static_widths: no device sync (``index_from_selection``). The torch build, the reference: the fused
+    Triton build of the same index, and the choice between the two, are kernels/dynamic_index.py's."""
     selection = select(params, q, k, head_space=head_space, block_m=block_m, block_n=block_n, row_pos=row_pos)
     return index_from_selection(selection, static_widths)
-
-
-def fused_refusal(params: BlockTopKParams, q: torch.Tensor, k: torch.Tensor, *, block_n: int = 64,
-                  row_pos: torch.Tensor | None = None) -> str | None:
-    """Why the fused build cannot take these inputs (None: it can)."""
-    from ..kernels.index_build import topk_fusable
-
-    return topk_fusable(q, k, block_n, row_pos)
 
 
 def predicate(params: BlockTopKParams, selection: BlockSelection, group: int = 1):

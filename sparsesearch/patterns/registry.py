@@ -6,9 +6,9 @@ A pattern module declares, besides its params dataclass, predicate, ``build_inde
 * ``NAME``: the name artifacts, search spaces and exports use;
 * ``Params``: its params dataclass (its fields are the pattern's heads.parquet columns, artifacts/columns.py);
 * ``DYNAMIC``: True when the index is estimated from q/k at run time (``build_index(params, q, k, ...)``),
-  False when it follows from the shape (``build_index(params, q_len, kv_len, ...)``); a dynamic pattern also
-  has ``fused_refusal(params, q, k, block_n=, row_pos=)``: why its fused Triton build cannot take these
-  inputs, or None (kernels/index_build.py);
+  False when it follows from the shape (``build_index(params, q_len, kv_len, ...)``; a dynamic pattern's
+  ``build_index`` is its torch build, and kernels/dynamic_index.py chooses between it and the fused Triton
+  build, which every dynamic pattern has there);
 * ``REGION``: True when ``build_index`` takes a permuted modality region's frame (``row_pos``);
 * ``STREAMING``: True when it keeps only attention sinks and a recent window (DuoAttention streaming heads);
 * ``COLOR``: its colour in the heads map;

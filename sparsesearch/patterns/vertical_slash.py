@@ -51,7 +51,6 @@ lists [B, H, QB, vertical_size]; never a token x token tensor.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -234,36 +233,14 @@ def build_index(
     scale: float | None = None,
     row_pos: torch.Tensor | None = None,
     static_widths: bool = False,
-    fused: bool | None = None,
 ) -> BlockIndex:
-    """estimate + index_from_lines (static_widths: no device sync, see there).
-    fused: the Triton build (kernels/index_build.py: four launches, no [last_q, Nk] matrix in HBM, no sort;
-    its lists have static widths); None uses it on CUDA tensors where ``fused_refusal`` has no reason (else
-    this torch build, the reference), True insists (ValueError when it cannot), False never."""
-    from ..kernels.index_build import vertical_slash_index, wants_fused
-
+    """estimate + index_from_lines (static_widths: no device sync, see there). The torch build, the
+    reference: the fused Triton build of the same index, and the choice between the two, are
+    kernels/dynamic_index.py's."""
     check_head_space(head_space)
-    _, _, q_len, kv_len = check_qk(q, k, row_pos)
-    if wants_fused(fused, lambda: fused_refusal(params, q, k, block_n=block_n, row_pos=row_pos), q):
-        p = params
-        index, vertical, slash = vertical_slash_index(
-            q, k, vertical_size=p.vertical_size, slash_size=p.slash_size, last_q=p.last_q,
-            force_vertical=forced(p.force_vertical, p.vertical_size), force_slash=forced(p.force_slash, p.slash_size),
-            slash_floor=slash_floor(p.last_q, q, k, head_space),
-            head_space=head_space, block_m=block_m, block_n=block_n, scale=scale,
-        )
-        lines = VSLines(vertical, slash, q_len, kv_len, head_space)
-        return dataclasses.replace(index, meta={"pattern": NAME, "lines": lines, "fused": True})
+    check_qk(q, k, row_pos)
     lines = estimate(params, q, k, head_space=head_space, scale=scale, row_pos=row_pos)
     return index_from_lines(lines, block_m=block_m, block_n=block_n, static_widths=static_widths)
-
-
-def fused_refusal(params: VerticalSlashParams, q: torch.Tensor, k: torch.Tensor, *, block_n: int = 64,
-                  row_pos: torch.Tensor | None = None) -> str | None:
-    """Why the fused build cannot take these inputs (None: it can)."""
-    from ..kernels.index_build import vs_fusable
-
-    return vs_fusable(q, k, block_n, params.last_q, row_pos, params.vertical_size, params.slash_size)
 
 
 def predicate(params: VerticalSlashParams, lines: VSLines, group: int = 1):
