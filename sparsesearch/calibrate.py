@@ -264,7 +264,8 @@ def search_layer(cfg: CalibrateConfig, work: Path, si: int, layer: int, q, k, v,
         scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
                                         frame_stride=frame_stride, scale=scale, prune=_prunes(cfg))
         dense = dense_cost(q, k, v, space, costs, cfg.head_space, scale)
-        write_state(scope_path(work, si, layer, GLOBAL), scores_to_json(scored, budget, t, dense))
+        mix = mix_cost(q, k, v, costs, cfg.head_space, scale)
+        write_state(scope_path(work, si, layer, GLOBAL), scores_to_json(scored, budget, t, dense, mix))
         return
     cached = {scope: ScopeResult(*scores_from_json(json.loads(path.read_text())))
               for scope, path in scope_files(work, si, layer).items()}
@@ -334,6 +335,16 @@ def dense_cost(q, k, v, space, costs, head_space: str, scale: float | None) -> t
     dense = score_candidate(DENSE_CANDIDATE, DenseParams(), q, k, v, None, None, head_space, space.block_m,
                             space.block_n, scale, costs, Timings())
     return dense.cost_ms
+
+
+def mix_cost(q, k, v, costs, head_space: str, scale: float | None) -> float:
+    """What the layer pays (ms) on top of its heads' prices when it mixes sparse and dense heads: measured on a
+    GPU (``MeasuredCost.mix_ms``: 0.25-0.55 ms at Gemma 3's shape, 16K-32K, H200, before the runtime's dense
+    heads stopped gathering K/V per query head); 0 under the analytic model, which prices computed entries
+    only, so a CPU's allocations are what they were."""
+    if not isinstance(costs, MeasuredCost):
+        return 0.0
+    return costs.mix_ms(q, k, v, head_space, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
 
 
 def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings,

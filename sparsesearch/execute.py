@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .index import BlockIndex, GridLines, RegionMaps, num_blocks
+from .index import BlockIndex, GridLines, RegionMaps
 from .patterns.registry import REGISTRY, pattern
 
 CACHE_LIMIT = 64  # static indices kept per StaticIndexCache (one model's distinct call shapes)
@@ -216,15 +216,55 @@ def attend_triangle(q, k, v, index: BlockIndex, params, scale: float, out, lse) 
 
 def dense_heads(q, k, v, heads: list[int], scale: float, out) -> None:
     """Causal SDPA for the query heads ``heads`` into out [B, Hq, N, D] (GQA handled by SDPA, K/V not
-    repeated): the heads no sparse group covers."""
+    repeated): the heads no sparse group covers.
+
+    A layer that mixes sparse and dense heads used to cost 0.25-0.55 ms more than the sum of its parts at
+    Gemma 3's shape (H200, 16K-32K, benchmarks/mixed_layer.py): the dense heads' K/V were gathered once per
+    query head and the result scattered into ``out`` by advanced indexing (an index_put kernel, 0.2 ms on
+    64 MB). Now K/V are read once per KV head (SDPA's own GQA when every selected KV head serves the same
+    number of selected query heads) and the result lands by strided copies of contiguous head runs."""
     group = q.shape[1] // k.shape[1]
-    q_ids = device_ids(tuple(heads), q.device)
     if len(heads) == q.shape[1]:
         res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
-        kv_ids = q_ids // group
-        res = F.scaled_dot_product_attention(q.index_select(1, q_ids), k.index_select(1, kv_ids), v.index_select(1, kv_ids), is_causal=True, scale=scale)
-    out[:, q_ids] = res.to(out.dtype)
+        heads = sorted(heads)
+        q_sel = _select_heads(q, heads)
+        kv = sorted({h // group for h in heads})
+        per_kv = {c: sum(1 for h in heads if h // group == c) for c in kv}
+        if len(set(per_kv.values())) == 1:  # SDPA's GQA: query head j reads KV head j // (len(heads) // len(kv))
+            res = F.scaled_dot_product_attention(q_sel, _select_heads(k, kv), _select_heads(v, kv), is_causal=True,
+                                                 scale=scale, enable_gqa=len(kv) != len(heads))
+        else:
+            kv_ids = [h // group for h in heads]
+            res = F.scaled_dot_product_attention(q_sel, _select_heads(k, kv_ids), _select_heads(v, kv_ids), is_causal=True, scale=scale)
+    _write_heads(out, heads if len(heads) != q.shape[1] else list(range(q.shape[1])), res)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as maximal runs of consecutive values, [(first, end)) each: [0, 1, 3] -> [(0, 2), (3, 4)]."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _select_heads(x: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """x [B, H, N, D] restricted to heads ``ids`` (sorted): a view for one run of consecutive heads, else a gather."""
+    runs = _runs(ids)
+    if len(runs) == 1:
+        return x[:, runs[0][0] : runs[0][1]]
+    return x.index_select(1, device_ids(tuple(ids), x.device))
+
+
+def _write_heads(out: torch.Tensor, ids: list[int], res: torch.Tensor) -> None:
+    """out[:, ids] = res, one strided copy per run of consecutive heads (ids sorted, res [B, len(ids), N, D])."""
+    at = 0
+    for first, end in _runs(ids):
+        out[:, first:end].copy_(res[:, at : at + end - first])
+        at += end - first
 
 
 def region_index(g: HeadGroup, q, k, region, space: str) -> BlockIndex:

@@ -226,6 +226,25 @@ def test_a_kept_search_serves_other_targets_without_searching_again(tiny_model, 
         calibrate(_cfg(tiny_model, tmp_path / "d", space_file, search_dir=search, resume=True))
 
 
+def _mixed_layers(path) -> list[int]:
+    rows = [r for r in load_artifact(path).heads.to_dict("records") if r["boundary"] == "none"]
+    return sorted(lay for lay in {r["layer"] for r in rows} if len({r["pattern"] == "dense" for r in rows if r["layer"] == lay}) == 2)
+
+
+def test_a_layers_mix_price_travels_through_the_work_files(tiny_model, space_file, tmp_path, monkeypatch):
+    # a GPU's mixing price (MeasuredCost.mix_ms) is saved per layer and read back into every head's curve; a
+    # price no saving can pay keeps each layer all-sparse or all-dense where the free allocation mixes two
+    from sparsesearch.search.allocate import layer_curves
+
+    cfg = lambda out, **kw: _cfg(tiny_model, tmp_path / out, space_file, latency_budget=0.9, allow_miss=True, head_space="query", **kw)
+    assert _mixed_layers(calibrate(cfg("free")).path) == [0, 2]
+    monkeypatch.setattr("sparsesearch.calibrate.mix_cost", lambda *a: 1e6)
+    priced = calibrate(cfg("priced", search_dir=tmp_path / "search"))
+    _, curves = layer_curves(tmp_path / "search", 0, 1)
+    assert {c.mix_cost for c in curves} == {1e6}
+    assert _mixed_layers(priced.path) == []
+
+
 @pytest.mark.parametrize("setup, flag, message", [
     (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "--search-dir", "not a calibrate search"),
     (lambda d: d.write_text("mine"), "--search-dir", "is a file"),

@@ -178,3 +178,29 @@ def test_measured_dense_price_on_a_gpu(tmp_path):
     per_head = costs.dense_ms(q, k, v, "query", 0.125)
     assert per_head.shape == (4,) and 0 < float(per_head[0]) < 50 and costs.timed == 1
     assert costs.dense_ms(q, k, v, "kv", 0.125).tolist() == [float(per_head.sum())] and costs.timed == 1
+
+
+def test_mix_price_is_the_mixed_calls_time_over_its_per_head_prices(tmp_path, monkeypatch):
+    # one A-shape launch over every head (2.0), SDPA over the layer (4.0), the runtime's mixed call (5.0):
+    # per-head prices say (2.0 + 3 x 4.0) / 4 = 3.5, so the layer pays 1.5 more when it mixes
+    from sparsesearch.calibrate import mix_cost
+    from sparsesearch.search.cost import AnalyticCost
+
+    times = iter([2.0, 4.0, 5.0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (run(), next(times))[1])  # runs each call on the CPU
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = _layer()
+    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(1.5)
+    timed = costs.timed
+    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(1.5) and costs.timed == timed  # cached per shape
+    assert mix_cost(q, k, v, costs, "kv", None) == 0.0  # one KV head: the layer cannot mix
+    assert mix_cost(q, k, v, AnalyticCost(), "query", None) == 0.0  # a CPU's allocations are what they were
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the runtime's calls on a GPU")
+def test_measured_mix_price_on_a_gpu(tmp_path):
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = (t.half() for t in _layer(n=4096, device="cuda"))
+    mix = costs.mix_ms(q, k, v, "query", 0.125)
+    assert 0 <= mix < 50 and costs.mix_ms(q, k, v, "query", 0.125) == mix

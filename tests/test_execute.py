@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsesearch.execute import HeadGroup, StaticIndexCache, build_group_index, query_heads, static_index
+import itertools
+
+import torch.nn.functional as F
+
+from sparsesearch.execute import HeadGroup, StaticIndexCache, build_group_index, dense_heads, query_heads, static_index
 from sparsesearch.patterns import ashape, vertical_slash
 
 
@@ -72,3 +76,19 @@ def test_device_ids_are_made_once_per_ids_device_and_dtype():
     b = device_ids((3, 1, 2), torch.device("cpu"), torch.int32)
     assert b is not a and b.dtype == torch.int32 and b.tolist() == [3, 1, 2]
     assert device_ids((1, 2), torch.device("cpu")) is not a
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 1), (8, 2), (6, 3), (4, 4)])
+def test_dense_heads_writes_exactly_its_heads_for_every_subset(q_heads, kv_heads):
+    """Every subset of heads (one run, several runs, unequal per KV head, unsorted): SDPA's output on those
+    heads, the others untouched, into the runtime's [B, N, H, D]-backed view."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, 33, 16, generator=gen) for h in (q_heads, kv_heads, kv_heads))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=q_heads != kv_heads)
+    for r in range(1, q_heads + 1):
+        for heads in itertools.combinations(range(q_heads), r):
+            out = torch.zeros(2, 33, q_heads, 16).transpose(1, 2)
+            dense_heads(q, k, v, list(reversed(heads)), 0.3, out)
+            torch.testing.assert_close(out[:, list(heads)], ref[:, list(heads)], atol=1e-5, rtol=1e-5)
+            rest = [h for h in range(q_heads) if h not in heads]
+            assert (out[:, rest] == 0).all()

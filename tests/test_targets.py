@@ -9,7 +9,7 @@ import pytest
 
 from sparsesearch.search.targets import (
     DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_curves, kl_model_path,
-    kl_sensitivity, lagrangian_path, only_layer, predicted_kl, probe_allocation, search_target,
+    kl_sensitivity, lagrangian_path, mix_costs, only_layer, predicted_kl, probe_allocation, search_target,
 )
 
 # Head (0, 0): a good cheap candidate; head (1, 0): only a poor one; head (1, 1): one pruned (inf) and
@@ -146,3 +146,62 @@ def test_a_layer_without_a_measured_kl_takes_the_largest_sensitivity():
     curves = [HeadCurve(0, 0, (1.0,), (0.2,), 10.0), HeadCurve(1, 0, (1.0,), (0.3,), 10.0), HeadCurve(2, 0, (1.0,), (0.0,), 10.0)]
     sens = kl_sensitivity(curves, Allocation([0, 0, 0]), {0: 0.004})
     assert sens == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
+
+
+# Two layers of two heads, each layer paying 3.0 once when its heads mix sparse and dense (MeasuredCost.mix_ms).
+# Layer 0's head 1 has only a poor candidate, so at a middle lam head 0 alone would go sparse: a saving of
+# at most 2.0 that the mix cost eats.
+MIXED = [
+    HeadCurve(0, 0, cost=(9.0, 8.0), error=(0.02, 0.01), dense_cost=10.0, mix_cost=3.0),
+    HeadCurve(0, 1, cost=(2.0,), error=(0.5,), dense_cost=10.0, mix_cost=3.0),
+    HeadCurve(1, 0, cost=(1.0,), error=(0.3,), dense_cost=10.0, mix_cost=3.0),
+    HeadCurve(1, 1, cost=(1.0,), error=(0.3,), dense_cost=10.0, mix_cost=3.0),
+]
+
+
+def brute_force_mixed(curves, lam):
+    """Min over every joint choice of the heads' cost + lam * dense_cost * error plus each mixed layer's mix_cost."""
+    options = [[DENSE] + c.usable() for c in curves]
+    score = lambda picks: sum(c.cost_of(i) + lam * c.dense_cost * c.error_of(i) for c, i in zip(curves, picks)) + mix_costs(curves, picks)
+    return min(score(p) for p in itertools.product(*options)), score
+
+
+def test_a_mixed_layer_pays_its_mix_cost_once():
+    assert mix_costs(MIXED, [0, DENSE, 0, 0]) == 3.0
+    assert mix_costs(MIXED, [0, DENSE, 0, DENSE]) == 6.0
+    assert mix_costs(MIXED, [DENSE, DENSE, 0, 0]) == mix_costs(MIXED, [0, 0, 0, 0]) == 0.0
+    assert Allocation([0, DENSE, 0, 0]).cost(MIXED) == 9.0 + 10.0 + 1.0 + 1.0 + 3.0
+    # without a mix cost, the same allocation costs its heads only (a CPU's analytic costs)
+    free = [HeadCurve(c.layer, c.head, c.cost, c.error, c.dense_cost) for c in MIXED]
+    assert Allocation([0, DENSE, 0, 0]).cost(free) == 21.0
+
+
+# The same with head (0, 0) saving up to 4.0 alone: there mixing pays for a range of lam.
+MIX_PAYS = [HeadCurve(0, 0, cost=(8.0, 6.0), error=(0.02, 0.01), dense_cost=10.0, mix_cost=3.0)] + MIXED[1:]
+
+
+@pytest.mark.parametrize("curves", [MIXED, MIX_PAYS], ids=["mixing never pays", "mixing pays"])
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0, 2.3, 4.0, 8.0, 12.0, 20.0, 60.0, 200.0])
+def test_the_path_with_mix_costs_holds_the_optimum_and_cost_rises(curves, lam):
+    path = lagrangian_path(curves)
+    costs = [a.cost(curves) for a in path]
+    assert costs == sorted(costs)
+    best, score = brute_force_mixed(curves, lam)
+    here = [a for a in path if a.lam <= lam][-1]
+    # the grid between breakpoints is a sample: the point held for lam is optimal to within one grid step
+    assert score(here.choices) == pytest.approx(best, rel=0.05)
+
+
+def test_no_layer_mixes_where_mixing_costs_more_than_it_saves():
+    for a in lagrangian_path(MIXED):
+        for layer in (0, 1):
+            kinds = {i == DENSE for c, i in zip(MIXED, a.choices) if c.layer == layer}
+            assert len(kinds) == 1, (a.lam, a.choices)  # every head of a layer sparse, or every head dense
+    # where head (0, 0) would be sparse alone, the reason says its layer is dense because of mixing
+    reasons = [a.reasons[(0, 0)] for a in lagrangian_path(MIXED) if (0, 0) in a.reasons]
+    assert any("mixing sparse and dense heads costs the layer 3 ms more" in r for r in reasons)
+
+
+def test_a_layer_mixes_where_mixing_pays():
+    mixed = [a.choices for a in lagrangian_path(MIX_PAYS) if a.choices[:2] in ([0, DENSE], [1, DENSE])]
+    assert mixed  # head (0, 0) sparse, head (0, 1) dense: saving 4.0 - 3.0 at some lam

@@ -53,8 +53,10 @@ def layer_curves(work: Path, layer: int, n_samples: int) -> tuple[list[Scored], 
         raise ValueError(f"layer {layer}: the saved scores predate quality targets (no dense cost); drop --resume to search again")
     scored = mean_scored([scores_from_json(d)[0] for d in data])
     dense = torch.tensor([d["dense_cost_ms"] for d in data], dtype=torch.float64).mean(0)
+    # a layer's mixing price (search/targets.py); searches kept from before it was measured have none: 0
+    mix = sum(float(d.get("mix_cost_ms", 0.0)) for d in data) / max(1, len(data))
     curves = [HeadCurve(layer, h, tuple(float(s.cost_ms[h]) for s in scored), tuple(float(s.error[h]) for s in scored),
-                        float(dense[h]), tuple(s.candidate.key for s in scored)) for h in range(dense.numel())]
+                        float(dense[h]), tuple(s.candidate.key for s in scored), mix) for h in range(dense.numel())]
     return scored, curves
 
 

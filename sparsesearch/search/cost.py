@@ -271,6 +271,44 @@ class MeasuredCost:
             self._dirty = True
         return torch.full((heads,), self._cache[key] / heads, dtype=torch.float64)
 
+    def mix_ms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_space: str, scale: float) -> float:
+        """ms a layer pays on top of its heads' own prices when it mixes sparse and dense heads: the runtime's
+        call (runtime/run.py: one sparse launch for head 0 of the head space, SDPA over the rest) minus what
+        per-head prices add up to for it (that launch over every head / H, plus (H - 1) SDPA shares), at >= 0.
+        q [1, Hq, N, D], k/v [1, Hkv, N, D]; 0 where the head space has one head (a layer cannot mix).
+
+        Per-head prices alone made a layer with one sparse head among dense ones look cheaper than dense when it
+        cost more: Gemma 3 on an H200, 16K-32K, 0.25-0.55 ms more than the sum (benchmarks/mixed_layer.py), so
+        the allocation sparsified single heads of layers 5 and 11 for KL and no saving. One A-shape head stands
+        for every candidate: the extra is launches, gathers and copies, not the pattern's own work."""
+        from ..execute import HeadGroup, dense_heads, device_ids, query_heads, sparse_attend, static_index
+        from ..patterns.ashape import AShapeParams
+
+        heads = k.shape[1] if head_space == "kv" else q.shape[1]
+        if heads < 2:
+            return 0.0
+        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|mix"
+        if key not in self._cache:
+            n, group = q.shape[2], q.shape[1] // k.shape[1]
+            out = torch.empty(1, n, q.shape[1], q.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            g_all = HeadGroup("ashape", AShapeParams(sink=64, local=512), tuple(range(heads)), 64, 64)
+            g_one = HeadGroup("ashape", g_all.params, (0,), 64, 64)
+            index_all, index_one = (static_index(g, n, n, head_space, q.device) for g in (g_all, g_one))
+            ids_all, ids_one = (device_ids(g.heads, q.device, torch.int32) for g in (g_all, g_one))
+            rest = [h for h in range(q.shape[1]) if h not in query_heads(g_one.heads, head_space, group)]
+
+            def mixed() -> None:
+                sparse_attend(q, k, v, index_one, scale, ids_one, out, lse)
+                dense_heads(q, k, v, rest, scale, out)
+
+            sparse_all = self._time(lambda: sparse_attend(q, k, v, index_all, scale, ids_all, out, lse))
+            sdpa = float(self.dense_ms(q, k, v, head_space, scale).sum())
+            self._cache[key] = max(0.0, self._time(mixed) - (sparse_all + (heads - 1) * sdpa) / heads)
+            self.timed += 1
+            self._dirty = True
+        return self._cache[key]
+
     def _time(self, run: Callable[[], None]) -> float:
         """Median ms of ``reps`` launches after a warm-up (which compiles on first use)."""
         run()

@@ -43,7 +43,8 @@ KINDS = ("target_kl", "max_output_error", "latency_budget")
 @dataclass(frozen=True)
 class HeadCurve:
     """One head's options: candidate i has cost[i] (ms) and error[i] (relative output error; inf when the
-    search pruned it); dense costs dense_cost with error 0. names[i] labels candidate i in reports."""
+    search pruned it); dense costs dense_cost with error 0. names[i] labels candidate i in reports. mix_cost:
+    what the head's layer pays once (ms) when its heads mix sparse and dense, the same on each of its heads."""
 
     layer: int
     head: int
@@ -51,6 +52,7 @@ class HeadCurve:
     error: tuple[float, ...]
     dense_cost: float
     names: tuple[str, ...] = ()
+    mix_cost: float = 0.0
 
     def usable(self) -> list[int]:
         """Candidates worth a look: measured (finite error) and cheaper than dense (a sparse candidate that
@@ -74,7 +76,8 @@ class Allocation:
     reasons: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def cost(self, curves: list[HeadCurve]) -> float:
-        return sum(c.cost_of(i) for c, i in zip(curves, self.choices))
+        """The heads' costs plus each mixed layer's mix_cost (HeadCurve)."""
+        return sum(c.cost_of(i) for c, i in zip(curves, self.choices)) + mix_costs(curves, self.choices)
 
     def cost_fraction(self, curves: list[HeadCurve]) -> float:
         """Total cost over the all-dense cost: float in (0, 1]."""
@@ -126,6 +129,67 @@ def _pick(c: HeadCurve, lam: float) -> int:
     return DENSE if best == len(c.cost) else best
 
 
+def mix_costs(curves: list[HeadCurve], choices: list[int]) -> float:
+    """Sum of mix_cost over the layers whose heads are part dense, part sparse under ``choices``."""
+    kinds: dict[int, set[bool]] = {}
+    for c, i in zip(curves, choices):
+        kinds.setdefault(c.layer, set()).add(i == DENSE)
+    mix = {c.layer: c.mix_cost for c in curves}
+    return sum(mix[layer] for layer, k in kinds.items() if len(k) == 2)
+
+
+def _objective(c: HeadCurve, lam: float, i: int) -> float:
+    return c.cost_of(i) + lam * c.dense_cost * c.error_of(i)
+
+
+def _pick_sparse(c: HeadCurve, lam: float) -> int | None:
+    """The best usable candidate at lam, dense excluded (None when there is none); ties as ``_pick``."""
+    options = [(_objective(c, lam, i), c.cost[i], i) for i in c.usable()]
+    return min(options)[2] if options else None
+
+
+def _pick_layer(layer: list[HeadCurve], lam: float) -> list[int]:
+    """One layer's picks at lam: each head's own (``_pick``) when they agree on dense or sparse or the layer
+    cannot pay for mixing; else the cheapest of those plus mix_cost, every head dense, and every head
+    sparse (when each has a usable candidate). Exact: mix_cost is the same for every mixed assignment."""
+    free = [_pick(c, lam) for c in layer]
+    if layer[0].mix_cost <= 0 or len({i == DENSE for i in free}) < 2:
+        return free
+    total = lambda picks: sum(_objective(c, lam, i) for c, i in zip(layer, picks))
+    options = [(total(free) + layer[0].mix_cost, 1, free), (total([DENSE] * len(layer)), 2, [DENSE] * len(layer))]
+    sparse = [_pick_sparse(c, lam) for c in layer]
+    if None not in sparse:
+        options.append((total(sparse), 0, sparse))
+    return min(options, key=lambda o: (o[0], o[1]))[2]
+
+
+def _picks(curves: list[HeadCurve], lam: float) -> list[int]:
+    """Every head's pick at lam, layer by layer (``_pick_layer``), in curve order."""
+    by_layer: dict[int, list[int]] = {}
+    for k, c in enumerate(curves):
+        by_layer.setdefault(c.layer, []).append(k)
+    picks = [DENSE] * len(curves)
+    for ks in by_layer.values():
+        for k, i in zip(ks, _pick_layer([curves[k] for k in ks], lam)):
+            picks[k] = i
+    return picks
+
+
+MIX_LAMS_PER_DECADE = 24  # lam samples between breakpoints where layers may switch regime (mix_cost > 0 only)
+
+
+def _lams(curves: list[HeadCurve]) -> list[float]:
+    """The multipliers the path is evaluated just past: every head's breakpoints and, where some layer pays
+    a mix_cost, a geometric grid over their span (a layer changes regime between breakpoints too)."""
+    lams = {b for c in curves for b in _breakpoints(c)}
+    positive = [b for b in lams if b > 0]
+    if positive and any(c.mix_cost > 0 for c in curves):
+        lo, hi = math.log10(min(positive)) - 1, math.log10(max(positive)) + 1
+        steps = max(1, math.ceil((hi - lo) * MIX_LAMS_PER_DECADE))
+        lams |= {10 ** (lo + (hi - lo) * j / steps) for j in range(steps + 1)}
+    return sorted(lams)
+
+
 def _breakpoints(c: HeadCurve) -> list[float]:
     """The multipliers at which this head's pick changes: slopes between consecutive points of the lower
     convex hull of (error, cost) walked from the cheapest option towards dense."""
@@ -142,20 +206,25 @@ def _breakpoints(c: HeadCurve) -> list[float]:
 def lagrangian_path(curves: list[HeadCurve]) -> list[Allocation]:
     """Allocations from lam = 0 (every head its cheapest candidate) to all-dense, one per distinct set of
     picks, in order of rising lam (so of non-decreasing total cost). The last one is all-dense."""
-    lams = sorted({b for c in curves for b in _breakpoints(c)})
-    path = [Allocation([_pick(c, 0.0) for c in curves], 0.0)]
-    for b in lams:
+    path = [Allocation(_picks(curves, 0.0), 0.0)]
+    for b in _lams(curves):
         lam = b * (1 + 1e-9) + 1e-300  # just past the breakpoint: the head has switched
-        picks = [_pick(c, lam) for c in curves]
+        picks = _picks(curves, lam)
         if picks != path[-1].choices:
             path.append(Allocation(picks, lam))
     if any(i != DENSE for i in path[-1].choices):  # heads whose error-0 candidate beats dense stay sparse
         path.append(Allocation([DENSE] * len(curves), math.inf))
     for a in path:
-        a.reasons = {(c.layer, c.head): _dense_reason(c, f"dense costs less than any sparse candidate's cost + "
-                                                         f"{a.lam:.3g} x dense cost x error")
-                     for c, i in zip(curves, a.choices) if i == DENSE}
+        a.reasons = {(c.layer, c.head): _dense_reason(c, _why_dense(c, a.lam, "error")) for c, i in zip(curves, a.choices) if i == DENSE}
     return path
+
+
+def _why_dense(c: HeadCurve, lam: float, error: str) -> str:
+    """Why a head is dense at lam: its own trade, or its layer's (it would be sparse alone, but one sparse head
+    among dense ones costs the layer mix_cost more)."""
+    if math.isfinite(lam) and _pick(c, lam) != DENSE:
+        return f"its layer runs dense: mixing sparse and dense heads costs the layer {c.mix_cost:.3g} ms more"
+    return f"dense costs less than any sparse candidate's cost + {lam:.3g} x dense cost x {error}"
 
 
 def budget_allocation(curves: list[HeadCurve], fraction: float) -> Allocation | None:
@@ -273,8 +342,8 @@ def kl_sensitivity(curves: list[HeadCurve], probe: Allocation, layer_kl: dict[in
 def kl_model_curves(curves: list[HeadCurve], sensitivity: dict[int, float]) -> list[HeadCurve]:
     """Curves whose error is each candidate's predicted KL share a_l * error^2 (same costs, same candidate
     indices): the Lagrangian path of these runs in order of predicted model KL."""
-    return [HeadCurve(c.layer, c.head, c.cost, tuple(sensitivity[c.layer] * e * e for e in c.error), c.dense_cost, c.names)
-            for c in curves]
+    return [HeadCurve(c.layer, c.head, c.cost, tuple(sensitivity[c.layer] * e * e for e in c.error), c.dense_cost, c.names,
+                      c.mix_cost) for c in curves]
 
 
 def kl_model_path(curves: list[HeadCurve], sensitivity: dict[int, float]) -> tuple[list[Allocation], list[float]]:
@@ -283,9 +352,8 @@ def kl_model_path(curves: list[HeadCurve], sensitivity: dict[int, float]) -> tup
     model = kl_model_curves(curves, sensitivity)
     path = lagrangian_path(model)
     for a in path:
-        why = lambda c: (f"layer {c.layer} costs {sensitivity[c.layer]:.3g} KL per squared output error: dense costs less than any "
-                         f"sparse candidate's cost + {a.lam:.3g} x dense cost x its predicted KL")
-        a.reasons = {(c.layer, c.head): _dense_reason(c, why(c)) for c, i in zip(curves, a.choices) if i == DENSE}
+        why = lambda c, m: f"layer {c.layer} costs {sensitivity[c.layer]:.3g} KL per squared output error: " + _why_dense(m, a.lam, "its predicted KL")
+        a.reasons = {(c.layer, c.head): _dense_reason(c, why(c, m)) for c, m, i in zip(curves, model, a.choices) if i == DENSE}
     return path, [predicted_kl(model, a) for a in path]
 
 
