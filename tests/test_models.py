@@ -432,3 +432,46 @@ def test_smollm2_alias_info_and_answer(smollm2):
         torch.testing.assert_close(_sdpa(cap), cap.output, rtol=1e-4, atol=1e-5)
         _, lse = masked_attention(cap.q, cap.k, cap.v, scale=cap.scale)
         torch.testing.assert_close(cap.lse, lse, rtol=1e-5, atol=1e-4)
+
+
+def test_a_gguf_loads_from_its_dequantized_copy_as_from_the_file(smollm2, monkeypatch):
+    """The second load of a GGUF reads the copy the first one wrote (models/dequantized.py): the same weights, tokens
+    and identity as dequantising the file itself, which SPARSESEARCH_GGUF_CACHE=0 still does."""
+    from sparsesearch.models import dequantized
+
+    model, tokenizer, info = smollm2
+    assert dequantized.ready(dequantized.cache_dir(info.revision))
+    monkeypatch.setenv(dequantized.ENV, "0")
+    direct, direct_tok, direct_info = load_model("smollm2-135m", dtype="float32", device="cpu")
+    assert direct_info == info and type(direct_tok) is type(tokenizer)
+    text = "To be, or not to be, that is the question: 2 + 2 = 4 <|im_start|> émigré"
+    assert direct_tok(text).input_ids == tokenizer(text).input_ids
+    assert direct_tok.chat_template == tokenizer.chat_template
+    mine, theirs = model.state_dict(), direct.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_dequantized_copy_is_built_whole_or_not_at_all(tmp_path):
+    from sparsesearch.models import dequantized
+
+    class Saves:  # stands in for a model or tokenizer: writes one file
+        def __init__(self, name):
+            self.name, self.config, self.hf_quantizer = name, type("C", (), {})(), object()
+
+        def save_pretrained(self, path):
+            path.mkdir(parents=True, exist_ok=True)
+            (path / self.name).write_text("x")
+
+    def failing():
+        raise RuntimeError("killed mid-read")
+
+    path = tmp_path / "abc"
+    with pytest.raises(RuntimeError):
+        dequantized.build(path, failing)
+    assert not path.exists() and [p.name for p in tmp_path.iterdir()] == ["abc.lock"]  # no half directory, no temporary
+    path.mkdir()
+    (path / "model.safetensors").write_text("half")  # an older build killed before it finished: no DONE
+    dequantized.build(path, lambda: (Saves("model.safetensors"), Saves("tokenizer.json")))
+    assert dequantized.ready(path) and (path / "model.safetensors").read_text() == "x"
+    dequantized.build(path, failing)  # a finished copy is never rebuilt
+    assert dequantized.ready(path)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from . import dequantized
 from .info import ModelInfo
 from .resolve import VLM_ARCHITECTURES, ResolvedModel, resolve
 
@@ -51,7 +52,12 @@ def load_model(
         trust_remote_code=trust_remote_code,
         local_files_only=True,
     )
-    if resolved.gguf_file:
+    source = resolved.path
+    if resolved.gguf_file and dequantized.enabled():
+        # read the weights dequantised by an earlier load (models/dequantized.py); the GGUF only the first time
+        source = _dequantized(resolved, model_class, attn_implementation)
+        del kwargs["config"]  # the directory's own: the GGUF's config object is the reader's, quantizer and all
+    elif resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -59,8 +65,8 @@ def load_model(
             kwargs["max_memory"] = max_memory
     elif device != "cpu":
         kwargs["device_map"] = device  # weights go straight to the GPU, no host-side copy of a 7B model
-    model = model_class.from_pretrained(resolved.path, **kwargs).eval()
-    tokenizer = _load_tokenizer(resolved, trust_remote_code)
+    model = model_class.from_pretrained(source, **kwargs).eval()
+    tokenizer = _load_tokenizer(resolved, trust_remote_code, source)
     info: ModelInfo = replace(resolved.info, dtype=str(model.dtype).removeprefix("torch."))
     return model, tokenizer, info
 
@@ -87,9 +93,26 @@ def _choose_dtype(dtype: str, device: str, resolved: ResolvedModel) -> torch.dty
     return DTYPES.get(resolved.info.dtype, torch.bfloat16)
 
 
-def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool):
+def _dequantized(resolved: ResolvedModel, model_class, attn_implementation: str):
+    """The GGUF's dequantised directory (models/dequantized.py), built on first use from a float32 CPU load."""
+    path = dequantized.cache_dir(resolved.info.revision)
+    if not dequantized.ready(path):
+        logger.info("dequantising %s once into %s", resolved.gguf_file, path)
+        dequantized.build(path, lambda: (
+            model_class.from_pretrained(resolved.path, config=resolved.config, gguf_file=resolved.gguf_file, dtype=torch.float32,
+                                        attn_implementation=attn_implementation, local_files_only=True),
+            _load_tokenizer(resolved, False),
+        ))
+    return path
+
+
+def _load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool, source=None):
+    """The tokenizer (or a VLM's processor) of ``resolved``, from ``source`` when that is a directory other than
+    the GGUF's (its dequantised copy, which holds the same tokenizer saved)."""
     from transformers import AutoProcessor, AutoTokenizer
 
+    if source is not None and source != resolved.path:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
     if resolved.gguf_file:
         return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, local_files_only=True)
     if not any((resolved.path / name).is_file() for name in TOKENIZER_FILES):
