@@ -205,3 +205,13 @@ def test_no_layer_mixes_where_mixing_costs_more_than_it_saves():
 def test_a_layer_mixes_where_mixing_pays():
     mixed = [a.choices for a in lagrangian_path(MIX_PAYS) if a.choices[:2] in ([0, DENSE], [1, DENSE])]
     assert mixed  # head (0, 0) sparse, head (0, 1) dense: saving 4.0 - 3.0 at some lam
+
+
+def test_the_cap_makes_a_mixed_layer_dense_when_mixing_costs_more_than_it_saves():
+    # (0, 0) is within the cap at 8.0 of 10.0, (0, 1) is not: mixed, layer 0 costs 8 + 10 + 3 >= 20 dense
+    a = cap_allocation(MIXED, 0.05)
+    assert a.choices[:2] == [DENSE, DENSE] and "mixing sparse and dense heads costs the layer 3 ms more" in a.reasons[(0, 0)]
+    assert a.choices[2:] == [DENSE, DENSE]  # layer 1's candidates miss the cap anyway
+    # with a mix the saving pays for ((0, 0) at 6.0: 6 + 10 + 3 < 20), the head stays sparse
+    assert cap_allocation(MIX_PAYS, 0.05).choices[:2] == [1, DENSE]
+    assert cap_allocation(MIXED, 0.35).choices == [DENSE, DENSE, 0, 0]  # a layer all within the cap is left alone

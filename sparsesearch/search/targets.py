@@ -108,7 +108,26 @@ def cap_allocation(curves: list[HeadCurve], max_error: float) -> Allocation:
             continue
         choices.append(DENSE)
         reasons[(c.layer, c.head)] = _dense_reason(c, f"no sparse candidate within output error {max_error:g}")
-    return Allocation(choices, None, reasons)
+    return _unmix_dearer_layers(curves, Allocation(choices, None, reasons))
+
+
+def _unmix_dearer_layers(curves: list[HeadCurve], alloc: Allocation) -> Allocation:
+    """``alloc`` with every mixed layer that costs at least all-dense (its heads plus its mix_cost) made dense:
+    cheaper and error-free, so better under any cap."""
+    for layer in {c.layer for c in curves}:
+        ks = [k for k, c in enumerate(curves) if c.layer == layer]
+        picks = [alloc.choices[k] for k in ks]
+        if len({i == DENSE for i in picks}) < 2:
+            continue
+        mixed = sum(curves[k].cost_of(i) for k, i in zip(ks, picks)) + curves[ks[0]].mix_cost
+        if mixed >= sum(curves[k].dense_cost for k in ks):
+            for k in ks:
+                if alloc.choices[k] != DENSE:
+                    c = curves[k]
+                    alloc.reasons[(c.layer, c.head)] = (f"its layer runs dense: mixing sparse and dense heads costs the layer "
+                                                        f"{c.mix_cost:.3g} ms more, more than its sparse heads save")
+                alloc.choices[k] = DENSE
+    return alloc
 
 
 def _dense_reason(c: HeadCurve, why: str) -> str:
