@@ -168,9 +168,10 @@ def _pick_sparse(c: HeadCurve, lam: float) -> int | None:
 
 
 def _pick_layer(layer: list[HeadCurve], lam: float) -> list[int]:
-    """One layer's picks at lam: each head's own (``_pick``) when they agree on dense or sparse or the layer
-    cannot pay for mixing; else the cheapest of those plus mix_cost, every head dense, and every head
-    sparse (when each has a usable candidate). Exact: mix_cost is the same for every mixed assignment."""
+    """One layer's picks at lam: each head's own (``_pick``) when they agree on dense or sparse, or when the layer
+    has no mix_cost; else the best of those plus mix_cost, every head dense, and every head sparse (when each
+    has a usable candidate). Exact: mix_cost is the same for every mixed assignment, so the heads' own picks
+    are the best mixed one."""
     free = [_pick(c, lam) for c in layer]
     if layer[0].mix_cost <= 0 or len({i == DENSE for i in free}) < 2:
         return free
