@@ -1,4 +1,4 @@
-"""Decode throughput (P6 §5): offloaded NOSA (nosa/device.py) vs dense GPU decode of the same synthetic
+"""Decode throughput (P6 §5): offloaded NOSA (runtime/nosa_device.py) vs dense GPU decode of the same synthetic
 layer stack, under the same GPU KV-memory budget (paper 004 App. E "equivalent batch" EB: NOSA runs EB
 sequences, dense runs EB · M_nosa / M_dense of them, M = GPU KV bytes per sequence).
 
@@ -43,7 +43,7 @@ from benchmarks.rows import emit, write_jsonl
 from sparsesearch.nosa.config import make_config
 from sparsesearch.kernels._common import group_rows
 from sparsesearch.kernels.nosa_attend import default_splits
-from sparsesearch.nosa.device import SlotDecoder
+from sparsesearch.runtime.nosa_device import SlotDecoder
 
 
 @dataclass(frozen=True)

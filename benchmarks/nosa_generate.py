@@ -1,5 +1,5 @@
 """Decode throughput of ``model.generate()`` itself (P6 §4): dense (transformers' own cache, SDPA) vs NOSA
-through ``enable_nosa`` with the engine's torch decoder and with its slot decoder (nosa/device.py: the
+through ``enable_nosa`` with the engine's torch decoder and with its slot decoder (runtime/nosa_device.py: the
 fused Triton step on a GPU), on a real-shaped model built from its config with random weights (no
 download: the GPU host has no network).
 
@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.rows import emit, write_jsonl
 from sparsesearch.nosa.config import make_config
-from sparsesearch.nosa.engine import disable_nosa, enable_nosa
+from sparsesearch.runtime.nosa_engine import disable_nosa, enable_nosa
 
 # LlamaConfig fields of each shape (SmolLM2-135M and Llama-3.2-1B as published; tiny for the CPU smoke run)
 SHAPES = {

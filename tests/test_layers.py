@@ -27,10 +27,7 @@ FLOORS = (
 FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}
 
 # (importing module, imported top-level name): the back-arrows to remove, each a P13 item.
-KNOWN = {
-    ("sparsesearch.runtime.hf", "nosa"),  # the runtime routes every call through nosa.engine.route
-    ("sparsesearch.runtime.offload_cache", "nosa"),
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _module(path: Path) -> str:

@@ -9,8 +9,8 @@ import torch
 
 from sparsesearch.nosa import LayerInputs, make_config, select_blocks, simulate_layer
 from sparsesearch.nosa.config import default_window
-from sparsesearch.nosa.proxies import h2o_column_sums, proxy_versions, refresh_positions
-from sparsesearch.nosa.selection import agnostic_unit_scores, compress, pool_blocks, query_unit_scores, unit_count
+from sparsesearch.runtime.nosa_proxies import h2o_column_sums, proxy_versions, refresh_positions
+from sparsesearch.runtime.nosa_selection import agnostic_unit_scores, compress, pool_blocks, query_unit_scores, unit_count
 
 KERNEL, STRIDE = 32, 16
 

@@ -1,13 +1,13 @@
-"""The sync-free NOSA decoder (nosa/device.py) against brute force on the whole history: selection (Eq. 3-5
+"""The sync-free NOSA decoder (runtime/nosa_device.py) against brute force on the whole history: selection (Eq. 3-5
 with agnostic scores frozen between block starts), the host store, the slot contents, attention over the
 selected blocks plus the tail, and the fetch list sized by the locality bound (nothing dropped)."""
 
 import pytest
 import torch
 
-from sparsesearch.nosa.config import NosaConfig
-from sparsesearch.nosa.device import SlotDecoder, token_scores
-from sparsesearch.nosa.selection import agnostic_unit_scores, compress, pool_blocks, query_unit_scores, select_blocks, unit_count
+from sparsesearch.runtime.nosa_config import NosaConfig
+from sparsesearch.runtime.nosa_device import SlotDecoder, token_scores
+from sparsesearch.runtime.nosa_selection import agnostic_unit_scores, compress, pool_blocks, query_unit_scores, select_blocks, unit_count
 
 
 def _config(proxy: str, block: int = 32, k: int = 6, k_q: int = 2) -> NosaConfig:

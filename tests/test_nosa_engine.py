@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsesearch.nosa.config import make_config
-from sparsesearch.nosa.engine import _gather, disable_nosa, enable_nosa
+from sparsesearch.runtime.nosa_engine import _gather, disable_nosa, enable_nosa
 from sparsesearch.runtime.offload_cache import NosaLayer
 
 
@@ -158,7 +158,7 @@ def test_engine_selects_what_the_sweep_measured(proxy):
     """The runtime and the sweep share one definition: the same stream gives the same blocks at every step."""
     from sparsesearch.nosa import LayerInputs
     from sparsesearch.nosa.simulate import block_scores
-    from sparsesearch.nosa.selection import select_blocks
+    from sparsesearch.runtime.nosa_selection import select_blocks
 
     torch.manual_seed(4)
     cfg = make_config(256, 0.25, 32, proxy)
@@ -345,7 +345,7 @@ def test_h2o_and_persistence_equal_a_brute_force_of_the_engines_reading(proxy, b
 def test_engine_h2o_is_the_sweeps_when_the_budget_covers_the_context():
     """With every block resident a decode row attends every key, so the engine's h2o is the sweep's
     (proxies.proxy_versions over dense rows)."""
-    from sparsesearch.nosa.proxies import h2o_column_sums, proxy_versions
+    from sparsesearch.runtime.nosa_proxies import h2o_column_sums, proxy_versions
 
     cfg = make_config(1024, 0.25, 32, "h2o")
     layer = NosaLayer(cfg)
@@ -456,7 +456,7 @@ def test_a_swept_h2o_recommendation_runs_in_the_runtime(tmp_path):
 
 
 def test_config_from_artifact_names_what_it_cannot_run():
-    from sparsesearch.nosa.engine import config_from_artifact
+    from sparsesearch.runtime.nosa_engine import config_from_artifact
 
     rec = {"proxy": "h2o", "block": 32, "k": 6, "k_q": 1, "n_init": 1, "n_win": 1, "kernel": 32, "stride": 16}
     art = lambda r: SimpleNamespace(manifest={"methods": {"nosa": {"recommended": r}}})  # noqa: E731

@@ -1,4 +1,4 @@
-"""generate() through the engine's slot decoder (nosa/device.py SlotDecoder, one per global layer, batched over
+"""generate() through the engine's slot decoder (runtime/nosa_device.py SlotDecoder, one per global layer, batched over
 sequences and KV heads) against the engine's torch decoder, which tests/test_nosa_engine.py checks against
 brute force: the same tokens and, in every layer at every step, the same selected blocks, on a ragged batch
 (left padding) over block starts and a store that grows past its hint. The fused Triton step runs here
@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from sparsesearch.nosa.config import NosaConfig, make_config
-from sparsesearch.nosa.engine import _fusable, disable_nosa, enable_nosa, resolve_decoder, right_aligned
+from sparsesearch.nosa.config import make_config
+from sparsesearch.runtime.nosa_config import NosaConfig
+from sparsesearch.runtime.nosa_engine import _fusable, disable_nosa, enable_nosa, resolve_decoder, right_aligned
 from sparsesearch.runtime.offload_cache import NosaLayer, SlotNosaLayer
 from test_nosa_engine import ragged_batch, tiny_llama
 

@@ -10,8 +10,8 @@ import torch
 from conftest import DEVICE
 
 from sparsesearch.kernels.nosa_select import SelectScratch, select_and_map
-from sparsesearch.nosa.config import NosaConfig
-from sparsesearch.nosa.device import SlotDecoder
+from sparsesearch.runtime.nosa_config import NosaConfig
+from sparsesearch.runtime.nosa_device import SlotDecoder
 
 
 def _pair(cfg, lengths, *, heads=2, group=2, dim=16, steps=20, dtype=torch.float32, seed=0, same_keys=False, attention=None):
@@ -159,7 +159,7 @@ def test_fused_append_refuses_what_it_cannot_score_or_tile():
 def test_split_slot_attention_merges_to_the_same_steps(monkeypatch, splits):
     """The slot attention split along the slots (flash-decoding; 8 splits of 2 slots leave the last split
     empty: max -inf, weight 0 in the merge) gives the torch path's steps."""
-    from sparsesearch.nosa import device
+    from sparsesearch.runtime import nosa_device as device
 
     monkeypatch.setattr(device, "default_splits", lambda pairs, slots, dev: splits)
     cfg = NosaConfig(block=16, k=12, k_q=4, n_init=1, n_win=2, proxy="trained")

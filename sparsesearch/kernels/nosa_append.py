@@ -1,4 +1,4 @@
-"""NOSA decode: append the step's token in one launch (nosa/device.py SlotDecoder.append).
+"""NOSA decode: append the step's token in one launch (runtime/nosa_device.py SlotDecoder.append).
 
 Appending one token per (sequence, KV head) touches six buffers: the host store (keys and values, pinned,
 written through UVA), the tail slot, the per-token query-agnostic score, the ring of the last ``kernel``
@@ -7,7 +7,7 @@ launches per layer (index arithmetic, two UVA copies, index_put's, the score's e
 ring mean); here one program per pair does all of it, reading the new key and value once.
 
 Scores: ``trained`` A·softplus(W·v) (torch's softplus: x above 20), ``vnorm`` ||v||, ``random`` the hash
-of nosa/device.py ``token_scores``, all in float32. The sequence lengths are not advanced here: every KV
+of runtime/nosa_device.py ``token_scores``, all in float32. The sequence lengths are not advanced here: every KV
 head's program of a sequence reads the same length, so the caller adds one after the launch.
 """
 

@@ -15,7 +15,7 @@ from the slot map. Here one launch does both, split along the slots (flash-decod
   ED-DMA's additive logit bias) come from the slot map and the score row, so no mask tensor exists;
 * a second launch merges the splits' partial outputs by their log-sum-exp (skipped with one split).
 
-Shapes are those of nosa/device.py's SlotDecoder; every tensor contiguous; no host sync, so a step stays
+Shapes are those of runtime/nosa_device.py's SlotDecoder; every tensor contiguous; no host sync, so a step stays
 CUDA-graph capturable.
 """
 

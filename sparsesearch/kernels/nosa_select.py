@@ -1,6 +1,6 @@
-"""NOSA's per-step selection and slot map in four launches (paper 004 Eq. 3-5, nosa/selection.py's reading).
+"""NOSA's per-step selection and slot map in four launches (paper 004 Eq. 3-5, runtime/nosa_selection.py's reading).
 
-The torch path of a decode step (nosa/device.py) spends some 80 small launches per layer on selection:
+The torch path of a decode step (runtime/nosa_device.py) spends some 80 small launches per layer on selection:
 query scores, block pooling, two stable sorts, the slot-map set difference, the attention mask. At batch
 16 that fixed cost was most of an 8B step on an H200 (benchmarks/RESULTS.md). Here every phase is one
 launch over (sequence, KV head) pairs and, where the phase allows, chunks of units or blocks, so that a
@@ -24,7 +24,7 @@ layer at 32K, batch 16, on an H200):
 
 Ranking by counting every other block (O(blocks²) per pair) took 30-60 µs per launch at 32K and batch
 16 on an H200 and grew with the batch; the bisection is O(32 · blocks). Static shapes throughout, no
-host sync: a step stays CUDA-graph capturable. Tensors are contiguous; shapes are those of nosa/device.py's SlotDecoder.
+host sync: a step stays CUDA-graph capturable. Tensors are contiguous; shapes are those of runtime/nosa_device.py's SlotDecoder.
 """
 
 from __future__ import annotations

@@ -10,50 +10,11 @@ compressed unit of a candidate block: block * n_win >= kernel - stride).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from ..runtime.nosa_config import STRIDE, NosaConfig
+from ..runtime.nosa_proxies import check_proxy
 
-KERNEL = 32  # compressed-key mean pool (InfLLM-v2 / NOSA code)
-STRIDE = 16
 WINDOW_TOKENS = 1024  # NOSI: 16 blocks of 64
 N_INIT = 1
-
-
-@dataclass(frozen=True)
-class NosaConfig:
-    """One point of the sweep. Blocks: k = n_init + n_win + k_q + k_e."""
-
-    block: int
-    k: int
-    k_q: int
-    n_init: int
-    n_win: int
-    proxy: str
-    kernel: int = KERNEL
-    stride: int = STRIDE
-
-    @property
-    def k_e(self) -> int:
-        return self.k - self.n_init - self.n_win - self.k_q
-
-    @property
-    def budget(self) -> int:
-        return self.k * self.block
-
-    @property
-    def ratio(self) -> int:
-        return self.block // self.stride
-
-    @property
-    def bound(self) -> float:
-        """The locality bound gamma >= (k - k_q) / k at stable steps (sink and window counted)."""
-        return (self.k - self.k_q) / self.k
-
-    @property
-    def name(self) -> str:
-        return f"{self.proxy}-b{self.block}-k{self.k}-kq{self.k_q}"
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"k_e": self.k_e, "budget": self.budget}
 
 
 def default_window(block: int, k: int) -> int:
@@ -68,8 +29,6 @@ def check_block(block: int, stride: int = STRIDE) -> None:
 
 def make_config(budget: int, kq_ratio: float, block: int, proxy: str, *, n_init: int = N_INIT, n_win: int | None = None) -> NosaConfig:
     """A validated configuration (ValueError naming the bad value otherwise)."""
-    from .proxies import check_proxy
-
     check_block(block)
     check_proxy(proxy)
     if budget <= 0 or budget % block:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import NosaConfig
-from .proxies import proxy_versions, refresh_positions, trained_scores
-from .selection import agnostic_unit_scores, compress, forced_mask, pool_blocks, query_unit_scores, select_blocks, top_mask, unit_count
+from ..runtime.nosa_config import NosaConfig
+from ..runtime.nosa_proxies import proxy_versions, refresh_positions, trained_scores
+from ..runtime.nosa_selection import agnostic_unit_scores, compress, forced_mask, pool_blocks, query_unit_scores, select_blocks, top_mask, unit_count
 
 
 @dataclass

@@ -34,8 +34,9 @@ import torch
 
 from ..files import atomic_path, write_json_atomic
 from ..models.forward import cache_kwarg, returned_cache
-from .config import NosaConfig, make_config
-from .proxies import eviction_weights, h2o_column_sums
+from ..runtime.nosa_config import KERNEL, STRIDE, NosaConfig
+from ..runtime.nosa_proxies import eviction_weights, h2o_column_sums
+from .config import make_config
 from .simulate import LayerInputs, simulate_layer
 from .throughput import DeviceModel, tokens_per_second
 
@@ -135,16 +136,6 @@ def existing_artifact(path: Path, info, option: str):
         return load_artifact(path, model_info=info)
     except ValueError as exc:
         raise ValueError(f"{option} {path}: {' '.join(str(exc).split())}") from None
-
-
-def global_layers(info) -> list[int]:
-    """Layers NOSA selects on: every layer, or a hybrid model's full-attention layers only (sliding-window
-    layers keep the model's own window: their cache is already bounded)."""
-    from ..models.info import SLIDING
-
-    if info.layer_types is None:
-        return list(range(info.num_layers))
-    return [i for i, t in enumerate(info.layer_types) if t != SLIDING]
 
 
 # ------------------------------------------------------------------------------------ attention routing
@@ -389,7 +380,7 @@ def run_sweep(s: SweepSettings, stage: Callable[[str], None] = lambda x: None, t
         raise ValueError(f"--data {s.data}: the held-out text has {len(sample)} tokens, too few for --decode-steps {s.decode_steps} after a {hist}-token prompt")
     device = next(model.parameters()).device
     ids = sample.input_ids[None].to(device)
-    layers = global_layers(info)
+    layers = list(info.global_layers)
     stage("dense prefill and reference decode")
     prompt = prefill(model, ids, context, hist, layers, want_h2o=any(c.proxy == "h2o" for _, c in configs))
     if any(c.proxy == "trained" for _, c in configs) and not prompt.eviction:
@@ -442,8 +433,6 @@ RECOMMENDED_KEYS = ("proxy", "block", "budget", "k", "k_q", "k_e", "kq_ratio", "
 
 
 def nosa_section(s: SweepSettings, best: dict, rule: str, summaries: list[dict], context: int, layers: list[int], info) -> dict:
-    from .config import KERNEL, STRIDE
-
     rec = {key: best[key] for key in RECOMMENDED_KEYS} | {"kernel": KERNEL, "stride": STRIDE}
     return {
         "table": "nosa.parquet",

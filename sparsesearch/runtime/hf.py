@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..models.attention import install, uninstall
 from ..models.info import ModelInfo
+from .nosa_engine import attach, config_from_artifact, detach, engine_of, route
 from .plan import Plan, build_plan
 from .run import Runner
 
@@ -33,8 +34,7 @@ _LAYER = "_sparsesearch_layer"
 def sparsesearch_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """AttentionInterface function: q [B, Hq, N, D], k/v [B, Hkv, N, D] post-RoPE -> ([B, N, Hq, D], None).
     With an artifact's methods.nosa applied and a NOSA cache in use (``nosa_cache``), decode steps run over
-    the offloaded cache's slots and the prefill below fills its host store (sparsesearch/nosa/engine.py)."""
-    from ..nosa.engine import route
+    the offloaded cache's slots and the prefill below fills its host store (runtime/nosa_engine.py)."""
 
     def prefill():
         return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -177,8 +177,6 @@ def apply(model, artifact, *, min_tokens: int | None = None, last_row_only: bool
         setattr(module, _RUNNER, runner)
         setattr(module, _LAYER, plan.layer(module.layer_idx))
     if nosa and (artifact.manifest.get("methods") or {}).get("nosa"):
-        from ..nosa.engine import attach, config_from_artifact
-
         attach(model, config_from_artifact(artifact))
     install(model, ATTN_NAME, sparsesearch_attention)
     return plan
@@ -187,8 +185,6 @@ def apply(model, artifact, *, min_tokens: int | None = None, last_row_only: bool
 def nosa_cache(model):
     """A fresh offloaded NOSA cache (a transformers Cache) for ``model.generate(past_key_values=...)``; the
     applied artifact must have methods.nosa."""
-    from ..nosa.engine import engine_of
-
     engine = engine_of(model)
     if engine is None:
         raise ValueError("no NOSA configuration is applied to this model (runtime.apply with an artifact that has methods.nosa)")
@@ -197,8 +193,6 @@ def nosa_cache(model):
 
 def remove(model) -> None:
     """Undo ``apply``: the previous attention implementation and no sparsesearch attributes left."""
-    from ..nosa.engine import detach
-
     detach(model)
     for module in model.modules():
         for name in (_RUNNER, _LAYER):

@@ -1,4 +1,4 @@
-"""The transformers side of NOSA's offloaded decode (sparsesearch/nosa/engine.py): a Cache whose global
+"""The transformers side of NOSA's offloaded decode (runtime/nosa_engine.py): a Cache whose global
 layers are offloaded NOSA layers, so ``model.generate(past_key_values=...)`` needs no patching, as with
 transformers' own offloaded caches. Sliding-window layers of hybrid models keep a DynamicLayer."""
 
@@ -8,7 +8,7 @@ import weakref
 
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ..nosa.engine import DecodeLayer, NosaEngine, OffloadedLayer, SlotLayer
+from .nosa_engine import DecodeLayer, NosaEngine, OffloadedLayer, SlotLayer
 
 
 class NosaLayer(OffloadedLayer, CacheLayerMixin):

@@ -2,7 +2,7 @@
 launches over static shapes, with no host synchronisation, so a whole model step can be captured in one
 CUDA graph (benchmarks/nosa_decode.py does).
 
-The engine (nosa/engine.py) serves transformers' ``generate()`` for every proxy; its torch decoder keeps
+The engine (runtime/nosa_engine.py) serves transformers' ``generate()`` for every proxy; its torch decoder keeps
 per-sequence Python where the proxies need the full history (snapkv, tova re-score all keys at each block
 boundary), and its slot decoder (engine.SlotLayer) runs this class. This decoder is the throughput path for the proxies whose per-token score is a function of the token
 alone (``trained``: A·softplus(W·v), ``vnorm``: ||v||, ``random``), which is what a NOSA checkpoint runs:
@@ -36,9 +36,9 @@ from ..kernels.gather import gather_blocks
 from ..kernels.nosa_append import append_token
 from ..kernels.nosa_attend import AttendScratch, default_splits, slot_attend
 from ..kernels.nosa_select import SelectScratch, select_and_map
-from .config import NosaConfig
-from .proxies import trained_scores
-from .selection import NEG, agnostic_unit_scores, pool_blocks, select_blocks, unit_count
+from .nosa_config import NosaConfig
+from .nosa_proxies import trained_scores
+from .nosa_selection import NEG, agnostic_unit_scores, pool_blocks, select_blocks, unit_count
 
 DEVICE_PROXIES = ("trained", "vnorm", "random")
 

@@ -13,7 +13,7 @@ Use::
 Prefill runs dense attention (SDPA) and fills the host store, one row per sequence in its own coordinates
 (left padding stripped, so sink and blocks are the sequence's own); each decode step, per global layer,
 batched over sequences and KV heads: compressed keys grow by one unit every ``stride`` tokens, the
-query-agnostic scores are recomputed when a sequence starts a new block, the selection (nosa.selection)
+query-agnostic scores are recomputed when a sequence starts a new block, the selection (runtime.nosa_selection)
 picks k blocks, the slot map keeps the blocks still selected, and only the others are copied in
 (kernels/gather.py; the previous tail block moves from the tail slot, never from the host).
 Sliding-window layers of hybrid models keep transformers' own cache path (dense over their window).
@@ -23,7 +23,7 @@ runs a ``device.SlotDecoder`` per global layer, batched over sequences and KV he
 step on a GPU), for trained, vnorm and random; ``OffloadedLayer``, described below, runs every proxy with
 per-sequence torch code and is the reference. ``auto`` takes the slot decoder on a GPU where it can.
 
-Query-agnostic proxies (nosa/proxies.py defines them for the sweep) are recomputed only at a sequence's
+Query-agnostic proxies (runtime/nosa_proxies.py defines them for the sweep) are recomputed only at a sequence's
 refresh positions P (the prompt's end, then each new block's first token) and frozen in between, so the
 locality bound holds at every stable step. Every proxy of ``proxies.PROXIES`` runs here:
 
@@ -53,10 +53,11 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels._common import interpreting
-from .config import NosaConfig
-from .proxies import (
+from .nosa_config import NosaConfig
+from .nosa_proxies import (
     OBS_WINDOW,
     PROXIES,
+    eviction_weights,
     h2o_column_sums,
     h2o_debias,
     persistence_from_counts,
@@ -65,7 +66,7 @@ from .proxies import (
     proxy_versions,
     trained_scores,
 )
-from .selection import agnostic_unit_scores, pool_blocks, query_unit_scores, select_blocks, unit_count
+from .nosa_selection import agnostic_unit_scores, pool_blocks, query_unit_scores, select_blocks, unit_count
 
 ATTN_NAME = "sparsesearch_nosa"
 _ENGINE = "_sparsesearch_nosa_engine"
@@ -487,7 +488,7 @@ class SlotLayer(DecodeLayer):
     def prefill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, starts: torch.Tensor, scale: float) -> None:
         """keys/values [B, Hkv, N, D], queries [B, Hq, N, D] (only their head count is read: the device
         proxies do not look at queries); starts long [B]: the first real token of each left-padded sequence."""
-        from .device import SlotDecoder
+        from .nosa_device import SlotDecoder
 
         batch, kv_heads, n, dim = keys.shape
         self.kv_heads, self.group, self.scale = kv_heads, queries.shape[1] // kv_heads, scale
@@ -559,7 +560,7 @@ def resolve_decoder(decoder: str, proxy: str, device: torch.device) -> str:
     """``auto``: the slot decoder on a GPU for the proxies it serves (``device.DEVICE_PROXIES``), the torch
     decoder otherwise (snapkv, tova, h2o, persistence need the history or the attention at a refresh; on a
     CPU the torch decoder is the reference). Returns ``slot`` or ``torch``; ValueError names a bad value."""
-    from .device import DEVICE_PROXIES
+    from .nosa_device import DEVICE_PROXIES
 
     if decoder not in DECODERS:
         raise ValueError(f"decoder {decoder!r} is unknown; choose one of {', '.join(DECODERS)}")
@@ -585,7 +586,7 @@ class NosaEngine:
         """A fresh ``runtime.offload_cache.NosaCache`` (a transformers Cache) for one ``generate`` call.
         max_new_tokens: the slot decoder's store is sized for the prompt plus this many tokens (it grows
         past them by re-allocation); the torch decoder grows its store on demand."""
-        from ..runtime.offload_cache import NosaCache
+        from .offload_cache import NosaCache
 
         return NosaCache(self, max_new_tokens=max_new_tokens)
 
@@ -661,8 +662,6 @@ def attach(model, cfg: NosaConfig, *, seed: int = 0, decoder: str = "auto", fuse
     decoder's Triton step (None: on a GPU). Registration of an attention function is the caller's
     (``enable_nosa``, or ``runtime.apply``)."""
     from ..models import info_from_model
-    from .proxies import eviction_weights
-    from .sweep import global_layers
 
     info = info_from_model(model)
     modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "k_proj")]
@@ -670,7 +669,7 @@ def attach(model, cfg: NosaConfig, *, seed: int = 0, decoder: str = "auto", fuse
     if cfg.proxy == "trained" and not eviction:
         raise ValueError("proxy 'trained' needs a NOSA checkpoint with an eviction head; this model has none")
     resolved = resolve_decoder(decoder, cfg.proxy, next(model.parameters()).device)
-    engine = NosaEngine(cfg, frozenset(global_layers(info)), info.num_layers, eviction, seed, decoder=resolved, fused=fused)
+    engine = NosaEngine(cfg, frozenset(info.global_layers), info.num_layers, eviction, seed, decoder=resolved, fused=fused)
     for module in modules:
         setattr(module, _ENGINE, engine)
     return engine

@@ -172,7 +172,7 @@ def persistence_sets(sq: torch.Tensor, tail: torch.Tensor, *, k: int, k_q: int, 
 
     sq: [..., R, N] query block scores; tail: long [R] the block of each row's own token. Returns bool [..., R, N].
     """
-    from .selection import POS, forced_mask, top_mask
+    from .nosa_selection import POS, forced_mask, top_mask
 
     valid, forced = forced_mask(tail, sq.shape[-1], n_init, n_win)
     return top_mask(sq.float().masked_fill(forced, POS), persistence_set_size(k, k_q, n_init, n_win), valid)
