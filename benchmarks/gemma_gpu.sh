@@ -66,12 +66,20 @@ pareto)
     # BASELINES (e.g. streaming,minference,topk,trianglemix,dense) narrows the families; default: all of them
     CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout -s ABRT "$(left)" bash benchmarks/pareto_gpu.sh pareto "$G" \
         --samples 2 --budgets 0.3,0.5,0.7,0.85 --device cuda --resume --json ${BASELINES:+--baselines "$BASELINES"} >"$dir/pareto.json"
-    for a in "$dir"/a/*/; do
-        name=$(basename "$a")
-        [ -s "$dir/passkey_$name.json" ] && continue
-        CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "$a" --model "$G" --data synthetic:passkey --samples 20 \
-            --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log"
-    done ;;
+    # passkey x 20 for every artifact still without its file, all against one dense run (evaluate A B ...)
+    todo=()
+    for a in "$dir"/a/*/; do [ -s "$dir/passkey_$(basename "$a").json" ] || todo+=("${a%/}"); done
+    if ((${#todo[@]})) && CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "${todo[@]}" --model "$G" \
+        --data synthetic:passkey --samples 20 --tokens "$t" --device cuda --json >"$dir/passkey_all.json" 2>>"$dir/passkey.log"; then
+        python3 - "$dir" "${todo[@]}" <<'PY'
+import json, pathlib, sys
+d, todo = pathlib.Path(sys.argv[1]), sys.argv[2:]
+reports = json.loads((d / "passkey_all.json").read_text())
+reports = reports if isinstance(reports, list) else [reports]  # one artifact: one report, no list
+for path, r in zip(todo, reports):
+    (d / f"passkey_{pathlib.Path(path).name}.json").write_text(json.dumps(r, indent=1))
+PY
+    fi ;;
 guard)
     # the run that session 31's passkey rows ask for: the 0.02 target lost 3-4 of 16-17 answers without the guard
     gpu=$1 t=$2 dir=$RES/p11/$2

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ._shared import ArtifactArg
 from .common import DeviceOpt, JsonOpt, RunProgress, exits_cleanly, out_console, print_json
 
 
 @exits_cleanly
 def evaluate(
-    artifact: ArtifactArg,
-    model: Annotated[str, typer.Option(help="The model the artifact was made for (alias, directory, hub id, .gguf).")] = "smollm2-135m",
+    artifacts: Annotated[list[Path], typer.Argument(help="Artifact directories (manifest.json + *.parquet); several are compared with one dense run.", show_default=False)],
+    model: Annotated[str, typer.Option(help="The model the artifacts were made for (alias, directory, hub id, .gguf).")] = "smollm2-135m",
     data: Annotated[str, typer.Option(help="Held-out data: text:shakespeare (held-out plays) or a .txt/.md file (its second half), synthetic:passkey, synthetic:kv-retrieval, or a file/dataset dir.")] = "text:shakespeare",
     samples: Annotated[int, typer.Option(help="Prompts.")] = 5,
     tokens: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 2048,
@@ -24,51 +24,50 @@ def evaluate(
     json_out: JsonOpt = False,
 ) -> None:
     """Teacher-forced KL and perplexity over every position, retrieval counts (or why they say nothing),
-    next-token KL, greedy agreement and per-layer attention error, sparse vs dense.
+    next-token KL, greedy agreement and per-layer attention error, sparse vs dense. Several artifacts share
+    one dense run on the same prompts (a target sweep's passkey check costs one reference, not one each);
+    --json then prints a list of reports, each with its "artifact".
 
     Example: sparsesearch evaluate artifacts/smollm2-135m --data text:shakespeare --samples 4 --tokens 4096
     """
     from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact
-    from sparsesearch.fidelity import check_options, describe, evaluate_fidelity
+    from sparsesearch.fidelity import check_options, describe, evaluate_against, held_out_reference
     from sparsesearch.models import load_model
 
-    # Everything the arguments, the artifact and the model's config can tell, before the weights load.
+    # Everything the arguments, the artifacts and the model's config can tell, before the weights load.
     resolved = check.model_info(model, dtype=dtype, device=device)
     check.tokens_fit("--tokens", tokens, resolved)
     check_options(samples=samples, tokens=tokens, min_tokens=min_tokens)
     check.data("--data", data, tokens=tokens, held_out=True)
-    art = load_artifact(artifact, model_info=resolved)
-    recommended = ((art.manifest.get("methods") or {}).get("nosa") or {}).get("recommended") or {}
-    if recommended.get("proxy") == "trained":  # the runtime would refuse it only after the weights load
-        check.eviction_head_possible("the artifact's methods.nosa proxy", model)
+    arts = [load_artifact(a, model_info=resolved) for a in artifacts]
+    for art in arts:
+        recommended = ((art.manifest.get("methods") or {}).get("nosa") or {}).get("recommended") or {}
+        if recommended.get("proxy") == "trained":  # the runtime would refuse it only after the weights load
+            check.eviction_head_possible("the artifact's methods.nosa proxy", model)
     with RunProgress(transient=json_out) as progress:
         progress.stage("loading model")
         m, tokenizer, info = load_model(model, dtype=dtype, device=device)
         progress.stage(PASSES["dense"])
-        result = evaluate_fidelity(m, tokenizer, art.manifest, art.head_rows(), data=data, samples=samples, tokens=tokens,
-                                   seed=seed, min_tokens=min_tokens, progress=_per_pass(progress))
+        reference = held_out_reference(m, tokenizer, data=data, samples=samples, tokens=tokens, seed=seed,
+                                       on_prompt=progress.tick)
+        results = []
+        for path, art in zip(artifacts, arts):
+            progress.stage(PASSES["sparse"] + (f" ({path.name})" if len(arts) > 1 else ""))
+            results.append(evaluate_against(m, tokenizer, art.manifest, art.head_rows(), reference, min_tokens=min_tokens,
+                                            on_prompt=progress.tick))
     if json_out:
-        print_json(result)
+        print_json(results[0] if len(results) == 1 else [{"artifact": str(p), **r} for p, r in zip(artifacts, results)])
         return
-    for line in describe(result):
-        out_console.print(line)
-    errs = result["layer_output_error"]
-    if errs:
-        worst = max(errs, key=errs.get)
-        out_console.print(f"attention output error per layer: mean {sum(errs.values()) / len(errs):.3f}, worst layer {worst} ({errs[worst]:.3f})")
+    for path, result in zip(artifacts, results):
+        if len(results) > 1:
+            out_console.print(f"[bold]{path}[/bold]")
+        for line in describe(result):
+            out_console.print(line)
+        errs = result["layer_output_error"]
+        if errs:
+            worst = max(errs, key=errs.get)
+            out_console.print(f"attention output error per layer: mean {sum(errs.values()) / len(errs):.3f}, worst layer {worst} ({errs[worst]:.3f})")
 
 
 PASSES = {"dense": "dense reference, prompts", "sparse": "sparse runtime, prompts"}
-
-
-def _per_pass(progress: RunProgress):
-    """evaluate_fidelity's per-prompt callback on the shared display. The dense pass's stage is opened before
-    the call (its first prompt takes as long as any); its last prompt opens the sparse pass's stage."""
-
-    def on_prompt(name: str, done: int, total: int) -> None:
-        progress.tick(done, total)
-        if name == "dense" and done == total:
-            progress.stage(PASSES["sparse"])
-
-    return on_prompt

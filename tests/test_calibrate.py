@@ -245,6 +245,27 @@ def test_a_layers_mix_price_travels_through_the_work_files(tiny_model, space_fil
     assert _mixed_layers(priced.path) == []
 
 
+def test_evaluate_compares_several_artifacts_with_one_dense_run(tiny_model, space_file, tmp_path, monkeypatch):
+    import sparsesearch.fidelity as fidelity
+
+    search = tmp_path / "search"
+    for name, cap in (("loose", 0.5), ("tight", 0.05)):
+        calibrate(_cfg(tiny_model, tmp_path / name, space_file, max_output_error=cap, allow_miss=True, search_dir=search, resume=True))
+    dense_runs = []
+    reference = fidelity.held_out_reference
+    monkeypatch.setattr(fidelity, "held_out_reference", lambda *a, **k: (dense_runs.append(1), reference(*a, **k))[1])
+    args = ["--model", tiny_model, "--samples", "1", "--tokens", "256", "--min-tokens", "128", "--json"]
+    both = CliRunner().invoke(app, ["evaluate", str(tmp_path / "loose"), str(tmp_path / "tight"), *args])
+    assert both.exit_code == 0, both.output
+    reports = json.loads(both.stdout)
+    assert dense_runs == [1] and [r["artifact"] for r in reports] == [str(tmp_path / "loose"), str(tmp_path / "tight")]
+    assert reports[0]["mean_density"] < reports[1]["mean_density"]  # two different artifacts, each its own report
+    alone = CliRunner().invoke(app, ["evaluate", str(tmp_path / "tight"), *args])
+    assert alone.exit_code == 0 and {"artifact": str(tmp_path / "tight"), **json.loads(alone.stdout)} == reports[1]
+    people = CliRunner().invoke(app, ["evaluate", str(tmp_path / "loose"), str(tmp_path / "tight"), *args[:-1]])
+    assert people.exit_code == 0 and people.output.count("teacher-forced over") == 2 and "tight" in people.output
+
+
 @pytest.mark.parametrize("setup, flag, message", [
     (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "--search-dir", "not a calibrate search"),
     (lambda d: d.write_text("mine"), "--search-dir", "is a file"),
