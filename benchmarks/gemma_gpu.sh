@@ -29,13 +29,21 @@ SS=(python3 -c "from cli.app import main; main()")  # an array, not a function: 
 mode=$1
 shift
 
-# One searched artifact per (length, target) on GPU $1: wide space, per query head (Gemma's global layers
-# have one KV head each, so per-KV-head leaves 3 choices in the whole model).
+# The searched artifacts of one length on GPU $1: every target of $TARGETS not made yet, from one search in one
+# process (calibrate --target-kl X --target-kl Y ...: $dir/a/klX/ each), kept in $dir/search across calls. Wide
+# space, per query head (Gemma's global layers have one KV head each, so per-KV-head leaves 3 choices in the model).
 calib() {
-    local gpu=$1 t=$2 kl=$3 dir=$RES/p11/$2
-    [ -f "$dir/a/kl$kl/manifest.json" ] && return 0
-    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh calibrate "$G" "kl$kl" \
-        --search-space wide --target-kl "$kl" --allow-miss --head-space query --device cuda --resume --search-dir "$dir/search"
+    local gpu=$1 t=$2 dir=$RES/p11/$2 todo=() out
+    for kl in ${TARGETS:-0.05 0.02 0.01 0.0075 0.005}; do [ -f "$dir/a/kl$kl/manifest.json" ] || todo+=("$kl"); done
+    ((${#todo[@]})) || return 0
+    out=$dir/a
+    ((${#todo[@]} > 1)) || out=$dir/a/kl${todo[0]}  # one target: --out is the artifact itself
+    mkdir -p "$dir/a"
+    local start=$SECONDS
+    CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" calibrate --model "$G" --data text:shakespeare --max-tokens "$t" --eval-data '' \
+        --out "$out" --search-space wide --allow-miss --head-space query --device cuda --resume --search-dir "$dir/search" \
+        $(printf -- '--target-kl %s ' "${todo[@]}") --json >"$dir/calibrate_$SECONDS.json" 2>>"$dir/calibrate.log"
+    echo "calibrate $t (${todo[*]}): exit $? in $((SECONDS - start)) s"
 }
 
 case $mode in
@@ -48,16 +56,14 @@ join)
     # dequantise once into the user cache (models/dequantized.py): every later process loads in ~5 s, not ~50 s
     python3 -c "from sparsesearch.models import load_model; load_model('$G', device='cpu')" 2>&1 | tail -1 ;;
 calibrate)
-    # Lengths, longest first, dealt round-robin over $GPUS (default 0 1 2 3); each length's targets run one after
-    # another on its GPU, the first searching and the others allocating from its kept search (--search-dir).
+    # Lengths, longest first, dealt round-robin over $GPUS (default 0 1 2 3); each length's targets in one calibrate
+    # process on its GPU (one search, an allocation per target; the search kept in --search-dir across calls).
     # LENGTHS and TARGETS narrow the jobs (e.g. LENGTHS="16384 32768" GPUS=0 on a one-GPU host).
     read -r -a gpus <<<"${GPUS:-0 1 2 3}"
     read -r -a lengths <<<"$(echo "${LENGTHS:-8192 16384 32768}" | tr ' ' '\n' | sort -rn | tr '\n' ' ')"
     for g in "${!gpus[@]}"; do
-        (for ((j = g; j < ${#lengths[@]}; j += ${#gpus[@]})); do
-            # the middle targets put searched points where DuoAttention 1/3 and TriangleMix on layer 17 sit (Run 35)
-            for kl in ${TARGETS:-0.05 0.02 0.01 0.0075 0.005}; do calib "${gpus[g]}" "${lengths[j]}" "$kl"; done
-        done) &
+        # the middle targets put searched points where DuoAttention 1/3 and TriangleMix on layer 17 sit (Run 35)
+        (for ((j = g; j < ${#lengths[@]}; j += ${#gpus[@]})); do calib "${gpus[g]}" "${lengths[j]}"; done) &
     done
     wait
     for d in "$RES"/p11/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;

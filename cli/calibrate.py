@@ -27,7 +27,7 @@ def calibrate(
     eval_samples: Annotated[int, typer.Option(help="Held-out samples for the fidelity report.")] = 1,
     eval_tokens: Annotated[Optional[int], typer.Option(help="Held-out length in tokens (default: --max-tokens).")] = None,
     min_tokens: Annotated[Optional[int], typer.Option(help="Runtime: prompts shorter than this run dense (default: measured on this device, SDPA vs index + sparse kernel).")] = None,
-    target_kl: Annotated[Optional[float], typer.Option(help="Quality target: choose per-head budgets across layers for the least cost whose model KL vs dense on calibration-data prompts (--tune-samples) is <= this (measured with the runtime).")] = None,
+    target_kl: Annotated[Optional[list[float]], typer.Option(help="Quality target: choose per-head budgets across layers for the least cost whose model KL vs dense on calibration-data prompts (--tune-samples) is <= this (measured with the runtime). Repeat it for a sweep: one search, one artifact per value in --out/kl<value>/.")] = None,
     max_output_error: Annotated[Optional[float], typer.Option(help="Quality target: each head its cheapest pattern with relative attention-output error <= this; others stay dense. The default when no target is given: 0.02 on text data (lossless: held-out KL 0.0013 on SmolLM2 at 4K).")] = None,
     space_budget: Annotated[bool, typer.Option("--space-budget", help="No quality target: each head its least-error candidate within the search space's budget (the paper's setting; lossy on short prompts: KL 0.055 on SmolLM2 at 4K).")] = False,
     latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
@@ -54,18 +54,18 @@ def calibrate(
 
     Past one GPU: --device-map balanced splits the model for the capture, --gpus N spreads the per-layer searches.
     """
-    from sparsesearch.artifacts.summary import effective_densities
     from sparsesearch.calibrate import DEFAULT_MAX_OUTPUT_ERROR, CalibrateConfig, Progress as Hooks, calibrate as run, preflight
     from sparsesearch.models.split import parse_max_memory, read_device_map
 
+    targets = target_kl or []
     cfg = CalibrateConfig(model=model, data=data, search_space=search_space, max_tokens=max_tokens, samples=samples,
                           seed=seed, out=out, device=device, dtype=dtype, head_space=head_space, objective=objective,
                           resume=resume, search_dir=search_dir, overwrite=overwrite, eval_data=eval_data or None, eval_samples=eval_samples, eval_tokens=eval_tokens, min_tokens=min_tokens,
-                          trust_remote_code=trust_remote_code, target_kl=target_kl, max_output_error=max_output_error,
+                          trust_remote_code=trust_remote_code, target_kl=targets[0] if targets else None, max_output_error=max_output_error,
                           latency_budget=latency_budget, allow_miss=allow_miss, tune_samples=tune_samples, retrieval_guard=retrieval_guard, gpus=gpus,
                           device_map=read_device_map(device_map), max_memory=parse_max_memory(max_memory),
                           default_max_output_error=None if space_budget else DEFAULT_MAX_OUTPUT_ERROR)
-    if space_budget and any(t is not None for t in (target_kl, max_output_error, latency_budget)):
+    if space_budget and (targets or max_output_error is not None or latency_budget is not None):
         raise ValueError("--space-budget is the search without a quality target; drop it or the target")
     from sparsesearch import preflight as check
 
@@ -76,12 +76,49 @@ def calibrate(
     check.json_file("--search-space", search_space)
     check.sizes_fit(model, {"--max-tokens": max_tokens, "--eval-tokens": eval_tokens}, trust_remote_code=trust_remote_code, dtype=dtype,
                     device=device, memory={f"--samples {samples} x --max-tokens {max_tokens} token ids": 8 * max(samples, 0) * max(max_tokens, 0)})
+    if len(targets) > 1:
+        _sweep(cfg, targets, json_out)
+        return
     space = preflight(cfg)  # bad input is one line before any progress output
     with RunProgress(transient=json_out) as progress:
         # A layer tick counts layers of the current sample; the stage line names the sample.
         result = run(cfg, Hooks(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total)), space=space)
     for note in result.notes:  # a resumed run says so, with what it kept
         err_console.print(note, highlight=False)
+    density, summary = _summary(result, max_tokens)
+    if json_out:
+        print_json(summary)
+        return
+    _render(result, summary, density)
+
+
+def _sweep(cfg, targets: list[float], json_out: bool) -> None:
+    """--target-kl given more than once: one search, one artifact per value (calibrate.calibrate_sweep), a
+    summary each (--json: their list) and one line per target."""
+    from sparsesearch.calibrate import Progress as Hooks, calibrate_sweep, sweep_configs
+
+    sweep_configs(cfg, targets)  # a bad value is one line before any progress output
+    with RunProgress(transient=json_out) as progress:
+        results = calibrate_sweep(cfg, targets, Hooks(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total)))
+    summaries = [_summary(r, cfg.max_tokens)[1] for r in results]
+    if json_out:
+        print_json(summaries)
+        return
+    table = Table(title=f"calibrate --target-kl sweep → {cfg.out}")
+    for name in ("target KL", "met", "calibration KL", "cost / dense", "sparse heads", "mean density", "artifact"):
+        table.add_column(name, justify="left" if name == "artifact" else "right")
+    for summary in summaries:
+        target = summary["target"]
+        cal = target["calibration"]
+        table.add_row(f"{target['value']:g}", "yes" if target["met"] else "no", "-" if cal["achieved"] is None else f"{cal['achieved']:.3g}",
+                      f"{cal['cost_fraction']:.1%}", str(cal["sparse_heads"]), f"{summary['mean_density']:.1%}", Path(summary["artifact"]).name)
+    out_console.print(fold_cells(table))
+
+
+def _summary(result, max_tokens: int) -> tuple[dict, dict]:
+    """(effective density per head, the summary --json prints) of one calibrate result."""
+    from sparsesearch.artifacts.summary import effective_densities
+
     density = effective_densities(result.manifest, result.rows)
     summary = {
         "artifact": str(result.path), "map_png": str(result.map_png) if result.map_png else None,
@@ -93,10 +130,7 @@ def calibrate(
         "target": _target_summary(result.manifest["methods"]["mminference"].get("target")),
         "budget_png": str(result.curve_png) if result.curve_png else None, "tokens": max_tokens,
     }
-    if json_out:
-        print_json(summary)
-        return
-    _render(result, summary, density)
+    return density, summary
 
 
 DENSE_ROWS_SHOWN = 8  # rows of the "heads kept dense" table on screen

@@ -429,12 +429,47 @@ def _spread(cfg: CalibrateConfig, space, progress: Progress):
     return Spread(workers, _worker_setup, (space,), _worker_search)
 
 
-def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread | None) -> CalibrationResult:
-    """calibrate() once the workers (if any) are starting."""
-    from .artifacts import write_artifact
-    from .artifacts.manifest import default_modalities, new_manifest
-    from .data import load_calibration, sha256_of
-    from .models import capture_qkv, load_model
+def sweep_out(out: Path, value: float) -> Path:
+    """Where ``calibrate_sweep`` writes the artifact of --target-kl ``value`` inside its --out directory."""
+    return out / f"kl{value:g}"
+
+
+def sweep_configs(cfg: CalibrateConfig, values: list[float]) -> list[CalibrateConfig]:
+    """One config per --target-kl value of a sweep: its artifact at ``sweep_out``, every one on the same kept
+    search (cfg.search_dir, else OUT.partial/), the later ones resuming it. ValueError for a repeated or bad value."""
+    if len(values) < 2 or len(set(values)) != len(values):
+        raise ValueError(f"--target-kl: a sweep takes two or more different values, got {', '.join(f'{v:g}' for v in values)}")
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise ValueError(f"--out {cfg.out} is a file; a --target-kl sweep writes a directory of artifacts (kl<value>/ each)")
+    for value in values:
+        check_target("target_kl", value)
+    search = cfg.search_dir or work_dir(cfg)
+    return [dataclasses.replace(cfg, target_kl=v, out=sweep_out(cfg.out, v), search_dir=search, resume=cfg.resume or i > 0)
+            for i, v in enumerate(values)]
+
+
+def calibrate_sweep(cfg: CalibrateConfig, values: list[float], progress: Progress | None = None) -> list[CalibrationResult]:
+    """One artifact per --target-kl value (``sweep_configs``) from one model load and one search: the first value
+    searches, the others only allocate from the kept search (as --search-dir with --resume would, without a
+    process and a model load each). The search is removed at the end unless cfg.search_dir keeps it."""
+    progress = progress or Progress()
+    cfgs = sweep_configs(cfg, values)
+    spaces = [preflight(c) for c in cfgs]  # every artifact's bad input before the model loads
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with _spread(cfgs[0], spaces[0], progress) as spread:
+        loaded = _load(cfgs[0], progress)
+        for i, (c, space) in enumerate(zip(cfgs, spaces)):
+            named = Progress(stage=lambda stage, v=c.target_kl: progress.stage(f"--target-kl {v:g}: {stage}"), layer=progress.layer)
+            results.append(_calibrate(c, named, space, spread if i == 0 else None, loaded))
+    if cfg.search_dir is None:
+        shutil.rmtree(cfgs[0].search_dir, ignore_errors=True)
+    return results
+
+
+def _load(cfg: CalibrateConfig, progress: Progress):
+    """(model, tokenizer, info) of cfg.model, refused when there is nothing to calibrate on."""
+    from .models import load_model
 
     progress.stage("loading model")
     model, tokenizer, info = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, trust_remote_code=cfg.trust_remote_code,
@@ -443,6 +478,18 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
         raise ValueError(f"model {cfg.model!r} has no tokenizer files; calibration data needs one")
     if not info.global_layers:
         raise ValueError(f"model {cfg.model!r}: every layer is sliding-window attention (window {info.sliding_window}); nothing to search")
+    return model, tokenizer, info
+
+
+def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread | None, loaded=None) -> CalibrationResult:
+    """calibrate() once the workers (if any) are starting. loaded: (model, tokenizer, info) of an earlier
+    ``_load`` (a sweep's), else loaded here."""
+    from .artifacts import write_artifact
+    from .artifacts.manifest import default_modalities, new_manifest
+    from .data import load_calibration, sha256_of
+    from .models import capture_qkv
+
+    model, tokenizer, info = loaded or _load(cfg, progress)
     device = str(next(model.parameters()).device)
     progress.stage("loading calibration data")
     samples = load_calibration(cfg.data, tokenizer, max_tokens=cfg.max_tokens, samples=cfg.samples, seed=cfg.seed)

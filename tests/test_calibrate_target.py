@@ -165,3 +165,36 @@ def test_the_target_kl_is_the_teacher_forced_mean_when_there_is_one():
     assert fidelity_kl({"next_token_kl": 0.2, "teacher_forced": {"kl_mean": None}}) == ("next_token_kl", 0.2)
     with pytest.raises(ValueError, match="no KL"):
         fidelity_kl({"eval_data": "x"})
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: one search, two allocations, and a separate run to compare with
+def test_a_target_kl_sweep_searches_once_and_writes_an_artifact_per_value(tiny_model, space_file, tmp_path):
+    from sparsesearch.calibrate import Progress, calibrate_sweep
+
+    cfg = CalibrateConfig(model=tiny_model, data="synthetic:passkey", search_space=str(space_file), max_tokens=256, out=tmp_path / "sweep",
+                          eval_data=None, min_tokens=128, tune_samples=1, retrieval_guard=0, allow_miss=True, created="2026-01-01T00:00:00Z")
+    ticks = []
+    results = calibrate_sweep(cfg, [0.05, 0.01], Progress(layer=lambda *a: ticks.append(a)))
+    assert [r.path for r in results] == [tmp_path / "sweep" / "kl0.05", tmp_path / "sweep" / "kl0.01"]
+    assert len(ticks) == 3  # the tiny model's 3 layers, searched once for both targets
+    assert [r.manifest["methods"]["mminference"]["target"]["value"] for r in results] == [0.05, 0.01]
+    assert not (tmp_path / "sweep.partial").exists()  # the search was the sweep's own: removed
+    alone = calibrate(CalibrateConfig(**{**cfg.__dict__, "target_kl": 0.01, "out": tmp_path / "alone"}))
+    assert (alone.path / "heads.parquet").read_bytes() == (results[1].path / "heads.parquet").read_bytes()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--target-kl", "0.01", "--target-kl", "0.01"], "a sweep takes two or more different values"),
+    (["--target-kl", "0.01", "--target-kl", "-1"], "--target-kl must be a positive number"),
+    (["--target-kl", "0.01", "--target-kl", "0.02", "--space-budget"], "--space-budget is the search without a quality target"),
+])
+def test_a_bad_sweep_exits_2_before_the_model_loads(tiny_model, space_file, tmp_path, extra, message):
+    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "s", *extra))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_sweep_into_a_file_exits_2(tiny_model, space_file, tmp_path):
+    (tmp_path / "s").write_text("mine")
+    result = CliRunner().invoke(app, _args(tiny_model, space_file, tmp_path / "s", "--target-kl", "0.01", "--target-kl", "0.02"))
+    assert result.exit_code == 2 and "is a file" in result.output and (tmp_path / "s").read_text() == "mine"
