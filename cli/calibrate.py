@@ -54,7 +54,7 @@ def calibrate(
 
     Past one GPU: --device-map balanced splits the model for the capture, --gpus N spreads the per-layer searches.
     """
-    from sparsesearch.calibrate import DEFAULT_MAX_OUTPUT_ERROR, CalibrateConfig, Progress as Hooks, calibrate as run, preflight
+    from sparsesearch.calibrate import DEFAULT_MAX_OUTPUT_ERROR, CalibrateConfig, calibrate as run, preflight
     from sparsesearch.models.split import parse_max_memory, read_device_map
 
     targets = target_kl or []
@@ -81,8 +81,7 @@ def calibrate(
         return
     space = preflight(cfg)  # bad input is one line before any progress output
     with RunProgress(transient=json_out) as progress:
-        # A layer tick counts layers of the current sample; the stage line names the sample.
-        result = run(cfg, Hooks(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total)), space=space)
+        result = run(cfg, _hooks(progress), space=space)
     for note in result.notes:  # a resumed run says so, with what it kept
         err_console.print(note, highlight=False)
     density, summary = _summary(result, max_tokens)
@@ -92,14 +91,22 @@ def calibrate(
     _render(result, summary, density)
 
 
+def _hooks(progress: RunProgress):
+    """calibrate's callbacks on the display: stage lines, and a layer tick counting the current sample's layers
+    (the stage line names the sample)."""
+    from sparsesearch.calibrate import Progress
+
+    return Progress(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total))
+
+
 def _sweep(cfg, targets: list[float], json_out: bool) -> None:
     """--target-kl given more than once: one search, one artifact per value (calibrate.calibrate_sweep), a
     summary each (--json: their list) and one line per target."""
-    from sparsesearch.calibrate import Progress as Hooks, calibrate_sweep, sweep_configs
+    from sparsesearch.calibrate import calibrate_sweep, sweep_configs
 
     sweep_configs(cfg, targets)  # a bad value is one line before any progress output
     with RunProgress(transient=json_out) as progress:
-        results = calibrate_sweep(cfg, targets, Hooks(stage=progress.stage, layer=lambda sample, layer, total: progress.tick(layer + 1, total)))
+        results = calibrate_sweep(cfg, targets, _hooks(progress))
     summaries = [_summary(r, cfg.max_tokens)[1] for r in results]
     if json_out:
         print_json(summaries)

@@ -443,7 +443,7 @@ def sweep_configs(cfg: CalibrateConfig, values: list[float]) -> list[CalibrateCo
         raise ValueError(f"--out {cfg.out} is a file; a --target-kl sweep writes a directory of artifacts (kl<value>/ each)")
     for value in values:
         check_target("target_kl", value)
-    search = cfg.search_dir or work_dir(cfg)
+    search = work_dir(cfg)
     return [dataclasses.replace(cfg, target_kl=v, out=sweep_out(cfg.out, v), search_dir=search, resume=cfg.resume or i > 0)
             for i, v in enumerate(values)]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -224,20 +225,20 @@ def dense_heads(q, k, v, heads: list[int], scale: float, out) -> None:
     64 MB). Now K/V are read once per KV head (SDPA's own GQA when every selected KV head serves the same
     number of selected query heads) and the result lands by strided copies of contiguous head runs."""
     group = q.shape[1] // k.shape[1]
+    heads = sorted(heads)
     if len(heads) == q.shape[1]:
         res = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
     else:
-        heads = sorted(heads)
         q_sel = _select_heads(q, heads)
-        kv = sorted({h // group for h in heads})
-        per_kv = {c: sum(1 for h in heads if h // group == c) for c in kv}
+        per_kv = Counter(h // group for h in heads)  # selected query heads per KV head
+        kv = sorted(per_kv)
         if len(set(per_kv.values())) == 1:  # SDPA's GQA: query head j reads KV head j // (len(heads) // len(kv))
             res = F.scaled_dot_product_attention(q_sel, _select_heads(k, kv), _select_heads(v, kv), is_causal=True,
                                                  scale=scale, enable_gqa=len(kv) != len(heads))
         else:
             kv_ids = [h // group for h in heads]
             res = F.scaled_dot_product_attention(q_sel, _select_heads(k, kv_ids), _select_heads(v, kv_ids), is_causal=True, scale=scale)
-    _write_heads(out, heads if len(heads) != q.shape[1] else list(range(q.shape[1])), res)
+    _write_heads(out, heads, res)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:

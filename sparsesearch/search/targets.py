@@ -114,8 +114,7 @@ def cap_allocation(curves: list[HeadCurve], max_error: float) -> Allocation:
 def _unmix_dearer_layers(curves: list[HeadCurve], alloc: Allocation) -> Allocation:
     """``alloc`` with every mixed layer that costs at least all-dense (its heads plus its mix_cost) made dense:
     cheaper and error-free, so better under any cap."""
-    for layer in {c.layer for c in curves}:
-        ks = [k for k, c in enumerate(curves) if c.layer == layer]
+    for ks in _by_layer(curves):
         picks = [alloc.choices[k] for k in ks]
         if len({i == DENSE for i in picks}) < 2:
             continue
@@ -142,10 +141,10 @@ def _dense_reason(c: HeadCurve, why: str) -> str:
 def _pick(c: HeadCurve, lam: float) -> int:
     """argmin over dense + usable candidates of cost + lam * dense_cost * error; ties go to the cheaper
     option, then the earlier candidate (dense last), so lam = 0 picks the cheapest candidate."""
-    options = [(c.cost[i] + lam * c.dense_cost * c.error[i], c.cost[i], i) for i in c.usable()]
-    options.append((c.dense_cost, c.dense_cost, len(c.cost)))  # dense: error 0
-    best = min(options)[2]
-    return DENSE if best == len(c.cost) else best
+    best = _pick_sparse(c, lam)
+    if best is None or (_objective(c, lam, best), c.cost[best]) > (c.dense_cost, c.dense_cost):  # dense: error 0
+        return DENSE
+    return best
 
 
 def mix_costs(curves: list[HeadCurve], choices: list[int]) -> float:
@@ -183,13 +182,18 @@ def _pick_layer(layer: list[HeadCurve], lam: float) -> list[int]:
     return min(options, key=lambda o: (o[0], o[1]))[2]
 
 
+def _by_layer(curves: list[HeadCurve]) -> list[list[int]]:
+    """The curve indices of each layer's heads, layer by layer in order of first appearance."""
+    layers: dict[int, list[int]] = {}
+    for k, c in enumerate(curves):
+        layers.setdefault(c.layer, []).append(k)
+    return list(layers.values())
+
+
 def _picks(curves: list[HeadCurve], lam: float) -> list[int]:
     """Every head's pick at lam, layer by layer (``_pick_layer``), in curve order."""
-    by_layer: dict[int, list[int]] = {}
-    for k, c in enumerate(curves):
-        by_layer.setdefault(c.layer, []).append(k)
     picks = [DENSE] * len(curves)
-    for ks in by_layer.values():
+    for ks in _by_layer(curves):
         for k, i in zip(ks, _pick_layer([curves[k] for k in ks], lam)):
             picks[k] = i
     return picks
