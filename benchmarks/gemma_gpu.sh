@@ -26,6 +26,10 @@ DEADLINE=${DEADLINE:-560}
 T0=$(date +%s)
 left() { local s=$((DEADLINE - ($(date +%s) - T0))); echo $((s > 1 ? s : 1)); }
 SS=(python3 -c "from cli.app import main; main()")  # an array, not a function: timeout runs programs only
+# Targets from one kept search (~10 s each): 0.4-0.1 reach the cheap baselines (duo 2/3, TriangleMix L5/L11, the
+# narrowest A-shape) that Run 36 left left of the searched range; 0.035-0.015 fill the gap between the 0.05 and
+# 0.02 points where DuoAttention 1/3 sits at 16K (Run 36: 0.78x of its KL against the straight line between them).
+DEFAULT_TARGETS="0.4 0.2 0.1 0.05 0.035 0.025 0.02 0.015 0.01 0.0075 0.005"
 mode=$1
 shift
 
@@ -34,7 +38,7 @@ shift
 # space, per query head (Gemma's global layers have one KV head each, so per-KV-head leaves 3 choices in the model).
 calib() {
     local gpu=$1 t=$2 dir=$RES/p11/$2 todo=() out
-    for kl in ${TARGETS:-0.05 0.02 0.01 0.0075 0.005}; do [ -f "$dir/a/kl$kl/manifest.json" ] || todo+=("$kl"); done
+    for kl in ${TARGETS:-$DEFAULT_TARGETS}; do [ -f "$dir/a/kl$kl/manifest.json" ] || todo+=("$kl"); done
     ((${#todo[@]})) || return 0
     out=$dir/a
     ((${#todo[@]} > 1)) || out=$dir/a/kl${todo[0]}  # one target: --out is the artifact itself
@@ -62,7 +66,6 @@ calibrate)
     read -r -a gpus <<<"${GPUS:-0 1 2 3}"
     read -r -a lengths <<<"$(echo "${LENGTHS:-8192 16384 32768}" | tr ' ' '\n' | sort -rn | tr '\n' ' ')"
     for g in "${!gpus[@]}"; do
-        # the middle targets put searched points where DuoAttention 1/3 and TriangleMix on layer 17 sit (Run 35)
         (for ((j = g; j < ${#lengths[@]}; j += ${#gpus[@]})); do calib "${gpus[g]}" "${lengths[j]}"; done) &
     done
     wait

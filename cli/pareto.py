@@ -33,7 +33,7 @@ def pareto(
     tokens: Annotated[int, typer.Option(help="Window length in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the held-out windows.")] = 0,
     triangle_start: Annotated[Optional[int], typer.Option(help="Probed TriangleMix start layer (default: an artifact's own, if any).")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto.json and pareto.png.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto_layers.parquet, pareto.json and pareto.png.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.pareto.partial/).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a report already at --out.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
@@ -46,7 +46,7 @@ def pareto(
 
     Example: sparsesearch pareto --artifact artifacts/smollm2-135m --tokens 4096 --out artifacts/pareto-smollm2
     """
-    from sparsesearch.pareto import ParetoConfig, Progress, pareto as run, preflight
+    from sparsesearch.pareto import ParetoConfig, pareto as run, preflight
 
     cfg = ParetoConfig(model=model, artifacts=list(artifact or []), baselines=_names(baselines), budgets=_floats(budgets, "--budgets"),
                        data=data, samples=samples, tokens=tokens, seed=seed, triangle_start=triangle_start, out=out,
@@ -79,13 +79,17 @@ def _fmt(x, spec: str) -> str:
 
 def _render(report: dict) -> None:
     table = Table(title=f"{report['model']}: {report['samples']} x {report['tokens']} tokens of {report['data']}")
-    for name, justify in (("family", "left"), ("point", "left"), ("cost", "right"), ("KL", "right"), ("ppl", "right"), ("verdict", "left")):
+    # A hybrid model's sliding layers cost the same on both sides: its searchable layers' own fraction is shown too.
+    hybrid = any(r.get("searchable_cost_fraction") not in (None, r["cost_fraction"]) for r in report["rows"])
+    columns = [("family", "left"), ("point", "left"), ("cost", "right")] + [("searchable layers", "right")] * hybrid
+    for name, justify in columns + [("KL", "right"), ("ppl", "right"), ("verdict", "left")]:
         table.add_column(name, justify=justify, overflow="fold")
     verdict = {(v["family"], v["label"]): v for v in report["verdicts"]}
     for r in sorted(report["rows"], key=lambda r: (r["family"] != "searched", r["family"], r["cost_fraction"])):
         v = verdict.get((r["family"], r["label"]))
         note = "" if v is None else v["verdict"] + ("" if v["kl_ratio"] is None else f" ({v['kl_ratio']:.2f}x KL)")
-        table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"), note)
+        searchable = [_fmt(r.get("searchable_cost_fraction"), ".1%")] * hybrid
+        table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), *searchable, _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"), note)
     out_console.print(table)
     dense = next((r["ppl_dense"] for r in report["rows"] if r["ppl_dense"] is not None), None)
     out_console.print(f"cost: {report['cost_model']} attention time as a fraction of dense; dense perplexity {_fmt(dense, '.2f')}; "

@@ -163,9 +163,44 @@ def test_a_run_on_a_tiny_model_writes_rows_report_and_plot(tiny_dir, tmp_path):
     cheap = [r for r in report["rows"] if r["family"] != "dense"]
     assert all(0 < r["cost_fraction"] < 1 for r in cheap if r["family"] in ("streaming", "topk"))
     assert all(r["kl"] > 0 for r in cheap if r["cost_fraction"] < 0.9)  # a random model notices lost keys
-    assert {p.name for p in out.iterdir()} == {"pareto.parquet", "pareto.json", "pareto.png"}
+    assert {p.name for p in out.iterdir()} == {"pareto.parquet", "pareto_layers.parquet", "pareto.json", "pareto.png"}
     assert not partial_path(out, "pareto").exists()
     assert json.loads((out / "pareto.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    # no sliding layers: every layer is searchable; no baseline carries a search's predicted cost
+    assert all(r["searchable_cost_fraction"] == r["cost_fraction"] and r["predicted_cost_fraction"] is None for r in report["rows"])
+    _layers_add_up(out, report["rows"], layers=2)
+
+
+def _layers_add_up(out, rows, layers: int):
+    """pareto_layers.parquet: one row per point and layer, whose times sum to the point's own."""
+    import pandas as pd
+
+    table = pd.read_parquet(out / "pareto_layers.parquet")
+    assert len(table) == layers * len(rows)
+    for r in rows:
+        mine = table[table["label"] == r["label"]]
+        assert mine["attention_ms"].sum() == pytest.approx(r["attention_ms"], rel=1e-3, abs=1e-3)
+        assert mine["dense_attention_ms"].sum() == pytest.approx(r["dense_attention_ms"], rel=1e-3, abs=1e-3)
+    return table
+
+
+def test_a_hybrid_model_reports_its_searchable_layers_cost(tmp_path):
+    """Tiny Gemma 3 (sliding layers 0, 1, 3): those layers run the model's own window on both sides, so
+    they dilute cost_fraction; searchable_cost_fraction is the global layers' own, and is the smaller one
+    for a point that saves time there."""
+    from sparsesearch.pareto import ParetoConfig, pareto
+    from tiny_model import make_tiny_gemma
+
+    out = tmp_path / "report"
+    cfg = ParetoConfig(model=make_tiny_gemma(tmp_path / "gemma"), baselines=["streaming", "dense"], budgets=[0.3], tokens=256,
+                       out=out, device="cpu", dtype="float32")
+    report = pareto(cfg)
+    table = _layers_add_up(out, report["rows"], layers=5)
+    assert set(table[table["layer"].isin([0, 1, 3])]["kind"]) == {"window"}
+    window = table[table["kind"] == "window"]
+    assert (window["attention_ms"] == window["dense_attention_ms"]).all()
+    cheap = next(r for r in report["rows"] if r["family"] == "streaming")
+    assert cheap["searchable_cost_fraction"] < cheap["cost_fraction"] < 1
 
 
 def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ artifact, every baseline family at every budget, pareto/baselines.py):
 - quality: the point through the sparse runtime on the same windows against the one dense run
   (fidelity.evaluate_against: teacher-forced KL and perplexity over every position, retrieval counts where
   the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's).
-Then the verdict per baseline point (pareto/dominance.py) and the files: rows (Parquet), report (JSON), a
-PNG of KL vs cost with one line per family.
+Then the verdict per baseline point (pareto/dominance.py) and the files: rows (Parquet), each point's cost per
+layer (Parquet), report (JSON), a PNG of KL vs cost with one line per family.
 
 Resume: each point's quality is a unit of ``OUT.pareto.partial/`` (sparsesearch/workdir.py: fingerprinted by
 the run's settings, named by the point's own rows), so a killed run re-measures only the points it had not
@@ -136,8 +136,10 @@ def stream_order(model, tokenizer, info, cfg: ParetoConfig) -> list[tuple[int, i
     return sorted(errors, key=lambda key: (errors[key], key))
 
 
-def measure_costs(model, info, points: list[Point], reference) -> list[dict]:
-    """Per point {cost_fraction, attention_density, cost_model} over every layer of every reference window."""
+def measure_costs(model, info, points: list[Point], reference) -> tuple[list[dict], list[dict]]:
+    """Per point {cost_fraction, searchable_cost_fraction, attention_density, cost_model, attention_ms,
+    dense_attention_ms} over every layer of every reference window, and the per-layer table behind them (one
+    row per point and layer, summed over the windows: ``layer_rows``)."""
     import pandas as pd
     import torch
 
@@ -149,23 +151,53 @@ def measure_costs(model, info, points: list[Point], reference) -> list[dict]:
 
     plans = [build_plan(p.manifest, pd.DataFrame(p.rows), info, min_tokens=1) for p in points]
     runners = [Runner(plan) for plan in plans]
-    sums = [[0.0, 0.0, 0.0, 0] for _ in points]  # sparse ms, dense ms, density sum, layers
+    by_layer: list[dict[int, list]] = [{} for _ in points]  # layer -> [sparse ms, dense ms, density sum, windows]
     device = next(model.parameters()).device
 
     def on_layer(layer, cap) -> None:
-        for plan, runner, acc in zip(plans, runners, sums):
+        for plan, runner, acc in zip(plans, runners, by_layer):
             sparse, dense, density = layer_cost(runner, plan.layer(layer), cap.q, cap.k, cap.v, cap.scale, plan.head_space)
-            acc[0] += sparse
-            acc[1] += dense
-            acc[2] += density
-            acc[3] += 1
+            sums = acc.setdefault(layer, [0.0, 0.0, 0.0, 0])
+            sums[0] += sparse
+            sums[1] += dense
+            sums[2] += density
+            sums[3] += 1
 
     with torch.no_grad():
         for sample in reference.samples:
             capture_qkv(model, sequence_ids(sample)[None].to(device), on_layer=on_layer, to_cpu=device.type != "cuda", info=info)
     kind = "measured kernel time" if device.type == "cuda" else "analytic"
-    return [{"cost_fraction": round(s / d, 6), "attention_density": round(ds / max(1, n), 6), "cost_model": kind,
-             "attention_ms": round(s, 4), "dense_attention_ms": round(d, 4)} for s, d, ds, n in sums]
+    costs = [_point_cost(plan, layers, kind) for plan, layers in zip(plans, by_layer)]
+    return costs, layer_rows(points, plans, by_layer)
+
+
+def _point_cost(plan, layers: dict[int, list], kind: str) -> dict:
+    """One point's cost record from its per-layer sums. searchable_cost_fraction leaves out a hybrid model's
+    sliding-window layers: they run the model's own window on both sides, so they dilute cost_fraction by a
+    constant the search cannot change, while the search's own predicted fraction (predicted_cost_fraction)
+    covers only the layers it allocates."""
+    total = [sum(v[i] for v in layers.values()) for i in range(4)]
+    searchable = [v for layer, v in layers.items() if plan.layer(layer).kind != "window"]
+    s_sparse, s_dense = sum(v[0] for v in searchable), sum(v[1] for v in searchable)
+    return {"cost_fraction": round(total[0] / total[1], 6),
+            "searchable_cost_fraction": round(s_sparse / s_dense, 6) if s_dense > 0 else None,
+            "attention_density": round(total[2] / max(1, total[3]), 6), "cost_model": kind,
+            "attention_ms": round(total[0], 4), "dense_attention_ms": round(total[1], 4)}
+
+
+def layer_rows(points: list[Point], plans, by_layer: list[dict[int, list]]) -> list[dict]:
+    """The per-layer cost table: where each point's attention time goes (pareto_layers.parquet)."""
+    return [{"family": point.family, "label": point.label, "layer": layer, "kind": plan.layer(layer).kind,
+             "attention_ms": round(v[0], 4), "dense_attention_ms": round(v[1], 4), "attention_density": round(v[2] / max(1, v[3]), 6)}
+            for point, plan, layers in zip(points, plans, by_layer) for layer, v in sorted(layers.items())]
+
+
+def predicted_cost(point: Point) -> float | None:
+    """The cost fraction a searched artifact's own allocation predicted for its searched layers (its target
+    record), None for a baseline or an artifact without one."""
+    target = ((point.manifest.get("methods") or {}).get("mminference") or {}).get("target") or {}
+    value = (target.get("calibration") or {}).get("cost_fraction")
+    return None if value is None else float(value)
 
 
 def _settings(cfg: ParetoConfig, info) -> dict:
@@ -199,7 +231,7 @@ def point_row(point: Point, cost: dict, fid: dict) -> dict:
     ret = fid.get("retrieval") or {}
     return {
         "family": point.family, "label": point.label, "searched": point.searched, "budget": point.budget,
-        "setting": point.setting, **cost, "kl": tf.get("kl_mean"), "ppl_dense": tf.get("ppl_dense"),
+        "setting": point.setting, **cost, "predicted_cost_fraction": predicted_cost(point), "kl": tf.get("kl_mean"), "ppl_dense": tf.get("ppl_dense"),
         "ppl_sparse": tf.get("ppl_sparse"), "next_token_kl": fid.get("next_token_kl"), "tokens": tf.get("tokens"),
         "dense_correct": ret.get("dense_correct"), "sparse_correct": ret.get("sparse_correct"), "retrieval_n": ret.get("n"),
         "retrieval_verdict": ret.get("verdict"),
@@ -228,7 +260,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     points = [artifact_point(p, a) for p, a in artifacts]
     points += baseline_points(info, cfg.tokens, cfg.baselines, cfg.budgets, triangle_probed=probed_start(cfg, artifacts), stream_order=order)
     progress.stage(f"attention cost of {len(points)} points")
-    costs = measure_costs(model, info, points, reference)
+    costs, layers = measure_costs(model, info, points, reference)
     work = None if cfg.out is None else WorkDir.open(cfg.out, "pareto", _settings(cfg, info), resume=cfg.resume)
     rows = []
     for i, (point, cost) in enumerate(zip(points, costs)):
@@ -242,13 +274,14 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     }
     if cfg.out is not None:
         progress.stage("writing report")
-        report["files"] = write_report(cfg.out, report, info)
+        report["files"] = write_report(cfg.out, report, info, layers)
         work.remove()
     return report
 
 
-def write_report(out: Path, report: dict, info) -> dict:
-    """pareto.parquet (rows), pareto.json (the report), pareto.png (KL vs cost), each whole or not at all."""
+def write_report(out: Path, report: dict, info, layers: list[dict] | None = None) -> dict:
+    """pareto.parquet (rows), pareto_layers.parquet (each point's cost per layer), pareto.json (the report),
+    pareto.png (KL vs cost), each whole or not at all."""
     import pandas as pd
 
     from ..files import atomic_path, write_json_atomic
@@ -257,6 +290,10 @@ def write_report(out: Path, report: dict, info) -> dict:
     files = {"rows": str(out / "pareto.parquet"), "report": str(out / "pareto.json")}
     with atomic_path(out / "pareto.parquet") as tmp:
         pd.DataFrame(report["rows"]).to_parquet(tmp, index=False)
+    if layers:
+        files["layers"] = str(out / "pareto_layers.parquet")
+        with atomic_path(out / "pareto_layers.parquet") as tmp:
+            pd.DataFrame(layers).to_parquet(tmp, index=False)
     try:
         from ..report.pareto_plot import draw_pareto
 
