@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsesearch.execute import HeadGroup
-from sparsesearch.pareto.cost import kernel_ms
+from sparsesearch.search.cost import kernel_ms
 from sparsesearch.patterns.ashape import AShapeParams
 from sparsesearch.runtime.plan import LayerPlan, Plan
 from sparsesearch.runtime.run import Runner

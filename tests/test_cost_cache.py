@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsesearch.kernels.version import cache_env, kernel_version
-from sparsesearch.search.cost import MeasuredCost
+from sparsesearch.search.cost import TIMING, MeasuredCost
 
 
 def test_cache_round_trips_under_its_stamp(tmp_path):
@@ -18,7 +18,7 @@ def test_cache_round_trips_under_its_stamp(tmp_path):
     first._cache["H200|(1, 4, 512, 64)|ashape"] = 0.25
     first._write()
     stored = json.loads(path.read_text())
-    assert stored["env"] == cache_env() and set(stored["env"]) == {"torch", "triton", "kernels"}
+    assert stored["env"] == {**cache_env(), "timing": TIMING} and set(stored["env"]) == {"torch", "triton", "kernels", "timing"}
     assert MeasuredCost(cache_path=path)._cache == {"H200|(1, 4, 512, 64)|ashape": 0.25}
 
 
@@ -26,7 +26,8 @@ def test_cache_round_trips_under_its_stamp(tmp_path):
     {"env": {**cache_env(), "triton": "0.0.1"}, "costs": {"k": 1.0}},   # another Triton
     {"env": {**cache_env(), "kernels": "0" * 16}, "costs": {"k": 1.0}},  # older kernels
     {"H100|(1, 4, 512, 64)|ashape": 1.0},                                # the unstamped layout before
-    {"env": cache_env("NVIDIA H100 80GB HBM3"), "costs": {"k": 1.0}},   # another GPU
+    {"env": {**cache_env("NVIDIA H100 80GB HBM3"), "timing": TIMING}, "costs": {"k": 1.0}},  # another GPU
+    {"env": cache_env("NVIDIA H200"), "costs": {"k": 1.0}},  # timed with CUDA events, host gaps included (before Run 37)
 ])
 def test_foreign_or_stale_cache_is_ignored_with_a_warning(tmp_path, content):
     path = tmp_path / "costs.json"
@@ -35,7 +36,7 @@ def test_foreign_or_stale_cache_is_ignored_with_a_warning(tmp_path, content):
         costs = MeasuredCost(cache_path=path, device_name="NVIDIA H200")
     assert costs._cache == {}
     costs._write()  # the next write replaces it with this install's stamp
-    assert json.loads(path.read_text())["env"] == cache_env("NVIDIA H200")
+    assert json.loads(path.read_text())["env"] == {**cache_env("NVIDIA H200"), "timing": TIMING}
 
 
 def test_unreadable_cache_is_ignored_and_a_missing_one_is_silent(tmp_path, recwarn):
@@ -204,3 +205,23 @@ def test_measured_mix_price_on_a_gpu(tmp_path):
     q, k, v = (t.half() for t in _layer(n=4096, device="cuda"))
     mix = costs.mix_ms(q, k, v, "query", 0.125)
     assert 0 <= mix < 50 and costs.mix_ms(q, k, v, "query", 0.125) == mix
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times kernels on a GPU")
+def test_a_launch_is_priced_by_its_kernels_not_the_hosts_gaps(tmp_path):
+    """Two tiny kernels with 5 ms of host work between them: CUDA events around the call measure the host's
+    5 ms, the profiler's device time only the kernels (what `pareto` costs points by). Event timing made every
+    short sparse launch cost as much as SDPA (SmolLM2 at 8K, RESULTS Run 37)."""
+    import time
+
+    from sparsesearch.search.cost import _event_ms
+
+    x = torch.zeros(1024, device="cuda")
+
+    def call() -> None:
+        x.add_(1)
+        time.sleep(0.005)
+        x.add_(1)
+
+    assert _event_ms(call, 3) >= 4.5
+    assert 0 < MeasuredCost(cache_path=tmp_path / "c.json")._time(call) < 1.0

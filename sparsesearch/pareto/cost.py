@@ -7,7 +7,7 @@ costed at the density their online estimate really gives on that text, index bui
 
 - On a GPU (``measured``): the runtime's own call, ``Runner.attend`` for the layer, against causal SDPA on
   the same tensors, each as the GPU time of the kernels it launches (``kernel_ms``: profiler device time,
-  mean of ``REPS`` calls after warm-up). Its dynamic index builds run inside the measured call; host time
+  mean of ``search.cost.KERNEL_REPS`` calls after warm-up). Its dynamic index builds run inside the measured call; host time
   between launches does not count (a short call is launch-bound: its wall time measures Python).
 - On a CPU (``analytic``): the cost model of the search (search/cost.analytic_ms): computed entries at a
   nominal rate plus the last-queries estimate of dynamic patterns, per query head. The CPU's own torch
@@ -26,11 +26,9 @@ import torch.nn.functional as F
 from ..execute import build_group_index, grid_form, query_heads
 from ..patterns import triangle
 from ..patterns._common import causal_entries
-from ..search.cost import analytic_ms
+from ..search.cost import analytic_ms, kernel_ms
 from ..search.layer import head_density
 
-REPS = 10
-WARMUP = 3
 
 
 def _per_query_head(dens: torch.Tensor, space: str, group: int) -> torch.Tensor:
@@ -74,30 +72,6 @@ def analytic_layer(layer, q: torch.Tensor, k: torch.Tensor, space: str) -> tuple
     if layer.kind == "window":  # the model's own attention: the same work on the dense side
         dense_ms = float(sparse_ms.sum())
     return float(sparse_ms.sum()), dense_ms, float(density.mean())
-
-
-def kernel_ms(fn, reps: int = REPS) -> float:
-    """GPU time of the kernels one call of ``fn`` launches (ms, mean of ``reps`` calls after ``WARMUP``): the
-    device time the profiler records, summed. Host time between launches is not counted: a short call is
-    launch-bound, and its wall time would measure Python and the launch queue, not attention (at 8K on an
-    H200 SmolLM2's SDPA call is ~0.05 ms of GPU time inside ~0.5 ms of wall time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(_device_us(e) for e in prof.key_averages())
-    return total_us / reps / 1e3
-
-
-def _device_us(event) -> float:
-    """An averaged profiler event's own device time (µs); the attribute was renamed in torch 2.4."""
-    value = getattr(event, "self_device_time_total", None)
-    return float(value if value is not None else getattr(event, "self_cuda_time_total", 0.0))
 
 
 def measured_layer(runner, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,

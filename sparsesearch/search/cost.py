@@ -2,8 +2,8 @@
 
 Both answer the same question with the same interface, ``cost_ms(pattern, density, n, q, index, run,
 build_s) -> float64 [H]`` (milliseconds per head), so the search prunes the same way everywhere:
-- ``MeasuredCost`` times the candidate's kernel launch on the current GPU (median of a few runs after a
-  warm-up) plus its measured index build, split evenly over the launch's heads; results for static
+- ``MeasuredCost`` times the candidate's kernel launch on the current GPU (``kernel_ms``: the GPU time of the
+  kernels it launches, the profiler's device time, as ``sparsesearch pareto`` costs every point) plus its measured index build, split evenly over the launch's heads; results for static
   patterns are cached per (device, shape, pattern, density) in memory and in a JSON file. Every timed
   launch is also a point of its family's cost table (``CostTable``: pattern, heads, head_dim, dtype, tile
   shape, device): kernel time against what the launch does (full blocks, partial blocks, gathered columns,
@@ -45,12 +45,18 @@ FIT_TOLERANCE = 0.10  # the local fit's largest relative error on its own points
 NEIGHBOURS = 12  # measured launches nearest the new one that the local fit uses (5 coefficients)
 MAX_POINTS = 2048  # points kept per family (the newest): the fit stays cheap and the file small
 WRITE_EVERY_S = 10.0  # the cache file is rewritten at most this often while measuring (and at exit)
+# How MeasuredCost times a launch, part of its cache stamp: times taken otherwise (CUDA events around the call,
+# before Run 37) are not trusted.
+TIMING = "profiler device time"
+KERNEL_REPS = 10
+KERNEL_WARMUP = 3
 
 
 class CostModel(Protocol):
     kind: str
 
-    def cost_ms(self, pattern: str, density: torch.Tensor, n: int, q: torch.Tensor, index, run: Callable[[], None], build_s: float) -> torch.Tensor: ...
+    def cost_ms(self, pattern: str, density: torch.Tensor, n: int, q: torch.Tensor, index, run: Callable[[], None], build_s: float,
+                build: Callable[[], object] | None = None) -> torch.Tensor: ...
 
 
 def analytic_ms(pattern: str, entries: torch.Tensor, dim: int, kv_len: int) -> torch.Tensor:
@@ -65,7 +71,7 @@ def analytic_ms(pattern: str, entries: torch.Tensor, dim: int, kv_len: int) -> t
 class AnalyticCost:
     kind = "analytic"
 
-    def cost_ms(self, pattern, density, n, q, index, run, build_s) -> torch.Tensor:
+    def cost_ms(self, pattern, density, n, q, index, run, build_s, build=None) -> torch.Tensor:
         return analytic_ms(pattern, density.double() * causal_entries(n), q.shape[-1], n)
 
 
@@ -137,6 +143,31 @@ class CostTable:
         return got if got > 0 else None
 
 
+def kernel_ms(fn: Callable[[], None], reps: int = KERNEL_REPS, warmup: int = KERNEL_WARMUP) -> float:
+    """GPU time of the kernels one call of ``fn`` launches (ms, mean of ``reps`` calls after ``warmup``): the
+    device time the profiler records, summed. Host time between launches is not counted: a short call is
+    launch-bound, and its wall time would measure Python and the launch queue, not attention (at 8K on an
+    H200 SmolLM2's SDPA call is ~0.05 ms of GPU time inside ~0.5 ms of wall time). 0.0 when the profiler
+    saw no device activity (no CUDA, or no CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(_device_us(e) for e in prof.key_averages())
+    return total_us / reps / 1e3
+
+
+def _device_us(event) -> float:
+    """An averaged profiler event's own device time (µs); the attribute was renamed in torch 2.4."""
+    value = getattr(event, "self_device_time_total", None)
+    return float(value if value is not None else getattr(event, "self_cuda_time_total", 0.0))
+
+
 def _flush_if_alive(ref: weakref.ref) -> None:
     cost = ref()
     if cost is not None:
@@ -163,7 +194,7 @@ class MeasuredCost:
         # imports this module also where it only prices with AnalyticCost and never takes a stamp
         from ..kernels.version import cache_env
 
-        self.env = cache_env(device_name)
+        self.env = {**cache_env(device_name), "timing": TIMING}
         stored = self._read()
         self._cache = stored.get("costs", {})
         self.table = CostTable(stored.get("points") if isinstance(stored.get("points"), dict) else None)
@@ -228,7 +259,9 @@ class MeasuredCost:
             self._write()
             self._dirty, self._written = False, time.monotonic()
 
-    def cost_ms(self, pattern, density, n, q, index, run, build_s) -> torch.Tensor:
+    def cost_ms(self, pattern, density, n, q, index, run, build_s, build=None) -> torch.Tensor:
+        """The launch's kernel time plus, for a dynamic pattern (whose runtime builds its index every call), its index
+        build: ``build`` timed like the launch (device time) when given, else the search's own wall time ``build_s``."""
         heads = density.numel()
         name = torch.cuda.get_device_name(q.device)
         key = None
@@ -247,13 +280,18 @@ class MeasuredCost:
                 self._dirty = True
         else:
             self.priced += 1
-        total = kernel_ms + (1e3 * build_s if pattern in DYNAMIC else 0.0)
+        total = kernel_ms + (self._build_ms(build, build_s) if pattern in DYNAMIC else 0.0)
         if key is not None:
             self._cache[key] = total
             self._dirty = True
         if time.monotonic() - self._written > WRITE_EVERY_S:
             self.flush()
         return torch.full((heads,), total / heads, dtype=torch.float64)
+
+    def _build_ms(self, build: Callable[[], object] | None, build_s: float) -> float:
+        """A dynamic index build's price: its kernels' device time (the search's wall time of it counted Python and
+        host syncs: RESULTS Run 1 shows 1.4-1.5 ms of index time for block top-k at 8K, as much as its kernel)."""
+        return self._time(build) if build is not None else 1e3 * build_s
 
     def dense_ms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_space: str, scale: float) -> torch.Tensor:
         """float64 [H] ms per head of the head space of what the runtime runs for dense heads: torch's causal SDPA
@@ -310,17 +348,27 @@ class MeasuredCost:
         return self._cache[key]
 
     def _time(self, run: Callable[[], None]) -> float:
-        """Median ms of ``reps`` launches after a warm-up (which compiles on first use)."""
+        """ms of GPU time one call of ``run`` launches (``kernel_ms``, over ``reps`` calls after one warm-up, which
+        compiles on first use): the quantity ``sparsesearch pareto`` judges points by. CUDA events around each call
+        counted the host's gaps between launches too, which at SmolLM2's 8K layer (~0.07 ms of kernels) priced every
+        A-shape at ~0.23 ms, as much as SDPA, so the search left 69 of 90 heads dense where one A-shape on every
+        head cost 0.32 of dense (RESULTS Run 37). Events only where the profiler sees no device time."""
+        ms = kernel_ms(run, reps=self.reps, warmup=1)
+        return ms if ms > 0 else _event_ms(run, self.reps)
+
+
+def _event_ms(run: Callable[[], None], reps: int) -> float:
+    """Median ms between CUDA events around each of ``reps`` calls (after a warm-up): host gaps included."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
         run()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(self.reps):
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def cost_model_for(device: torch.device | str) -> CostModel:

@@ -183,7 +183,9 @@ def score_candidate(
         else:
             # The lines form is its own launch family in the cost table (its line columns and rows are
             # work that the plain cover's block counts do not describe).
-            cost[list(g.heads)] = costs.cost_ms(GRID_LINES if lines is not None else g.pattern, dens, kv_len, q, index, run, build_s)
+            build = lambda: build_group_index(g, q, k, space, row_pos)  # noqa: B023 (a dynamic index's rebuild, timed at once)
+            cost[list(g.heads)] = costs.cost_ms(GRID_LINES if lines is not None else g.pattern, dens, kv_len, q, index, run, build_s,
+                                                build=build if lines is None else None)
         for h in g.heads:
             params[h] = g.params
         within = budget is None or bool((cost[list(g.heads)] <= budget[list(g.heads)]).any())
