@@ -92,6 +92,7 @@ def _render(report: dict) -> None:
         table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), *searchable, _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"), note)
     out_console.print(table)
     dense = next((r["ppl_dense"] for r in report["rows"] if r["ppl_dense"] is not None), None)
+    out_console.print(report["summary"], highlight=False)
     out_console.print(f"cost: {report['cost_model']} attention time as a fraction of dense; dense perplexity {_fmt(dense, '.2f')}; "
                       f"{report['seconds']:.0f} s", highlight=False)
     for name, path in (report.get("files") or {}).items():

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from sparsesearch.models.info import ModelInfo
 from sparsesearch.pareto import baselines as bl
 from sparsesearch.pareto.cost import analytic_layer
-from sparsesearch.pareto.dominance import COST_RATIO, KL_RATIO, cost_at, frontier, kl_at, verdicts
+from sparsesearch.pareto.dominance import COST_RATIO, KL_RATIO, cost_at, frontier, kl_at, summary, verdicts
 from sparsesearch.patterns import ashape, block_topk
 from sparsesearch.runtime.plan import build_plan
 from sparsesearch.workdir import partial_path
@@ -144,6 +144,13 @@ def test_a_baseline_dearer_than_dense_is_no_win_for_the_search():
     assert got["below dense"]["verdict"] == "beaten" and got["below dense"]["kl_ratio"] == pytest.approx(0.008 / 0.03, abs=1e-6)
 
 
+def test_the_summary_counts_judged_points_and_names_the_gap_below_the_searched_range():
+    rows = [_row("searched", "a", 0.5, 0.02, True), _row("ashape", "beaten", 0.8, 0.03), _row("ashape", "close", 0.7, 0.012),
+            _row("ashape", "cheap", 0.3, 0.1), _row("topk", "dear", 1.2, 0.01)]
+    assert summary(verdicts(rows)) == "searched beats 1/2 judged baseline points; 1 cheaper than every searched point"
+    assert summary(verdicts(rows[:3])) == "searched beats 1/2 judged baseline points"
+
+
 # ---- a whole run --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -166,6 +173,7 @@ def test_a_run_on_a_tiny_model_writes_rows_report_and_plot(tiny_dir, tmp_path):
     assert {p.name for p in out.iterdir()} == {"pareto.parquet", "pareto_layers.parquet", "pareto.json", "pareto.png"}
     assert not partial_path(out, "pareto").exists()
     assert json.loads((out / "pareto.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    assert report["summary"] == "no searched artifact given: baselines only, nothing judged"
     # no sliding layers: every layer is searchable; no baseline carries a search's predicted cost
     assert all(r["searchable_cost_fraction"] == r["cost_fraction"] and r["predicted_cost_fraction"] is None for r in report["rows"])
     _layers_add_up(out, report["rows"], layers=2)

@@ -82,5 +82,16 @@ def verdicts(rows: list[dict]) -> list[dict]:
     return out
 
 
+def summary(verdicts_: list[dict]) -> str:
+    """One line for a report's title and screen: points beaten of those judged, and the cheaper points no searched
+    artifact reaches (left of the searched range, so neither beaten nor not: a gap to close with a looser target)."""
+    count = lambda *kinds: sum(v["verdict"] in kinds for v in verdicts_)
+    if count("no searched points"):
+        return "no searched artifact given: baselines only, nothing judged"
+    line = f"searched beats {count('beaten')}/{count('beaten', 'not beaten')} judged baseline points"
+    below = count("out of range")
+    return line + (f"; {below} cheaper than every searched point" if below else "")
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)

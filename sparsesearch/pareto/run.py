@@ -244,7 +244,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     from ..fidelity import held_out_reference
     from ..models import load_model
     from ..workdir import WorkDir
-    from .dominance import searched_frontier, verdicts
+    from .dominance import searched_frontier, summary, verdicts
 
     progress = progress or Progress()
     info, artifacts = checked or preflight(cfg)
@@ -272,6 +272,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
         "seconds": round(time.perf_counter() - started, 1), "rows": rows, "verdicts": verdicts(rows),
         "searched_frontier": searched_frontier(rows),
     }
+    report["summary"] = summary(report["verdicts"])
     if cfg.out is not None:
         progress.stage("writing report")
         report["files"] = write_report(cfg.out, report, info, layers)

@@ -40,10 +40,8 @@ def draw_pareto(report: dict, info, path: Path) -> Path:
            ylabel="teacher-forced KL(dense || sparse), every position")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    beaten = sum(v["verdict"] == "beaten" for v in report.get("verdicts", []))
-    judged = sum(v["verdict"] in ("beaten", "not beaten") for v in report.get("verdicts", []))
     # a model given as a path titles by its file name: a long path pushed the title off the figure
     ax.set_title(f"{Path(info.id).name}, {report['samples']} x {report['tokens']} tokens of {report['data']} on {report['device']}:\n"
-                 f"searched beats {beaten}/{judged} baseline points", fontsize=9)
+                 f"{report.get('summary', '')}", fontsize=9)
     fig.tight_layout()
     return save_png(fig, path)
