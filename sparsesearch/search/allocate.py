@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 from ..patterns.dense import DenseParams
+from .frontier import frontier_kl_path
 from .layer import Scored, artifact_row, mean_scored
 from .targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, hold_guard, kl_model_path, kl_sensitivity,
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, hold_guard, kl_sensitivity,
     lagrangian_path, only_layer, probe_allocation, search_target,
 )
 from .workfiles import GLOBAL, scope_path, scores_from_json
@@ -131,7 +132,7 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
             miss = f"--latency-budget {value:g} cannot be met: the cheapest allocation costs {path[0].cost_fraction(curves):.3g} of dense"
     else:
         model = kl_model(curves, path, lambda a: kl_of(rows_of(a)))
-        path, predicted = kl_model_path(curves, model["sensitivity"])
+        path, predicted = frontier_kl_path(curves, model["sensitivity"])
         found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
         measured = found.measured
         alloc = path[found.best if found.chosen is None else found.chosen]
@@ -158,7 +159,8 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
         # given by the user, or the command line's default (--space-budget searches the space's budget instead)
         "source": req.source, "allow_miss": req.allow_miss, "missed": miss,
         "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
-                       "target_kl": "lagrangian path on a measured KL model (cost + lam x dense cost x a_layer x error^2 per head)"}[kind],
+                       "target_kl": "exact frontier of a measured KL model (cost vs sum of a_layer x error^2 per head, mixing priced; "
+                                    "the Lagrangian path's points and those between them)"}[kind],
         **({"kl_model": model["record"]} if model else {}),
         **({"retrieval_guard": guard_record} if guard_record is not None else {}),
         "calibration": {"data": req.data, "achieved": achieved, **point,

@@ -389,8 +389,8 @@ def predicted_kl(model_curves: list[HeadCurve], alloc: Allocation) -> float:
 def hold_guard(path: list[Allocation], start: int, misses: Callable[[Allocation], int]) -> tuple[int | None, dict[int, int]]:
     """The cheapest path index >= start (the quality target's choice) at which a guard misses nothing — the
     retrieval guard (sparsesearch/tuning.py): answers dense gives that the point loses — its misses assumed
-    non-increasing along the path, as heads go denser. A step on the path only adds density, so every point
-    past start still meets the KL target. Measured: the densest sparse point first (if it misses, no sparse
+    non-increasing along the path, as heads go denser. Predicted KL only falls along the path, so every point is
+    predicted to meet the KL target past start too. Measured: the densest sparse point first (if it misses, no sparse
     point holds: None), then start, then bisection. Returns (index or None, {path index: misses measured})."""
     found = search_target(path[start:], misses, 0)
     measured = {start + i: int(v) for i, v in found.measured.items()}
