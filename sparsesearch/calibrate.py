@@ -52,7 +52,7 @@ from .search.space import MODALITY_NAMES, Candidate, load_space
 from .search.allocate import TargetRequest, allocate_target
 from .search.targets import check_target
 from .search.workfiles import GLOBAL, boundary_path, layer_done, scope_files, scope_path, scores_from_json, scores_to_json, write_state
-from .tuning import VERIFY_MIN_TOKENS, fidelity_kl, retrieval_guard, tuning_kl, tuning_record
+from .tuning import VERIFY_MIN_TOKENS, TuningMemo, fidelity_kl, retrieval_guard, tuning_kl, tuning_record
 
 # The command line's default target (issue P11 §3): every head its cheapest candidate whose attention output is
 # within 2% (relative L2) of dense on the calibration sample, the others dense. On SmolLM2 at 4K it measured
@@ -457,11 +457,12 @@ def calibrate_sweep(cfg: CalibrateConfig, values: list[float], progress: Progres
     spaces = [preflight(c) for c in cfgs]  # every artifact's bad input before the model loads
     cfg.out.mkdir(parents=True, exist_ok=True)
     results = []
+    memo = TuningMemo()  # the targets' shared dense run and KL measurements (the per-layer probes above all)
     with _spread(cfgs[0], spaces[0], progress) as spread:
         loaded = _load(cfgs[0], progress)
         for i, (c, space) in enumerate(zip(cfgs, spaces)):
             named = Progress(stage=lambda stage, v=c.target_kl: progress.stage(f"--target-kl {v:g}: {stage}"), layer=progress.layer)
-            results.append(_calibrate(c, named, space, spread if i == 0 else None, loaded))
+            results.append(_calibrate(c, named, space, spread if i == 0 else None, loaded, memo))
     if cfg.search_dir is None:
         shutil.rmtree(cfgs[0].search_dir, ignore_errors=True)
     return results
@@ -481,9 +482,10 @@ def _load(cfg: CalibrateConfig, progress: Progress):
     return model, tokenizer, info
 
 
-def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread | None, loaded=None) -> CalibrationResult:
+def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread | None, loaded=None,
+               memo: TuningMemo | None = None) -> CalibrationResult:
     """calibrate() once the workers (if any) are starting. loaded: (model, tokenizer, info) of an earlier
-    ``_load`` (a sweep's), else loaded here."""
+    ``_load`` (a sweep's), else loaded here; memo: a sweep's shared tuning measurements (tuning.TuningMemo)."""
     from .artifacts import write_artifact
     from .artifacts.manifest import default_modalities, new_manifest
     from .data import load_calibration, sha256_of
@@ -594,7 +596,7 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
         progress.stage(f"allocating budgets for --{kind.replace('_', '-')}")
         sliding = [r for r in rows if r["layer"] in set(info.sliding_layers or ())]
 
-        kl_of = tuning_kl(cfg, model, tokenizer, manifest, sliding, progress)
+        kl_of = tuning_kl(cfg, model, tokenizer, manifest, sliding, progress, memo)
         started = time.perf_counter()
         guard = None
         if kind == "target_kl" and cfg.retrieval_guard:

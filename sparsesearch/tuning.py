@@ -11,12 +11,15 @@
   cheapest point that loses no answer.
 
 Everything is measured through the sparse runtime with ``VERIFY_MIN_TOKENS`` (the patterns' quality at every
-length, not the dense cut-off's); dense runs are made once per search and reused.
+length, not the dense cut-off's); dense runs are made once per search and reused, and a ``--target-kl`` sweep's
+targets share the dense run and every KL measured (``TuningMemo``).
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
@@ -61,22 +64,44 @@ def tuning_reference(cfg: "CalibrateConfig", model, tokenizer):
     return dense_reference(model, tokenizer, tuning_samples(cfg, tokenizer), data=f"{cfg.data} (tuning)")
 
 
+@dataclass
+class TuningMemo:
+    """What the targets of one ``calibrate --target-kl X --target-kl Y ...`` share: the dense run over the tuning
+    prompts and each KL measured, by the allocation's rows. Every target probes the same per-layer KL model
+    (one layer sparse at a time: 30 model runs for SmolLM2, ~6 minutes at 2K on two CPU cores) and often
+    measures the same path points; a second target measured them all again."""
+
+    reference: object | None = None
+    kl: dict[str, float] = field(default_factory=dict)
+
+
+def _rows_key(rows: list[dict]) -> str:
+    """A stable name for what an allocation runs (its rows as plain data)."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def tuning_kl(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
-              progress=None) -> Callable[[list[dict]], float]:
+              progress=None, memo: TuningMemo | None = None) -> Callable[[list[dict]], float]:
     """kl_of for ``allocate_target``: rows of the searched layers -> the teacher-forced KL(dense || sparse) of
     the model with ``fixed_rows`` + those rows, on the tuning prompts (``fidelity_kl``). The dense run over
     the prompts is made on the first call and reused by every later one: only the sparse side changes
-    between the points of a target search."""
+    between the points of a target search. ``memo`` (a sweep's) keeps both across targets."""
     from .fidelity import evaluate_against
 
-    reference = functools.cache(lambda: tuning_reference(cfg, model, tokenizer))
+    memo = memo if memo is not None else TuningMemo()
 
     def kl_of(rows: list[dict]) -> float:
+        key = _rows_key(fixed_rows + rows)
+        if key in memo.kl:
+            return memo.kl[key]
         density = sum(r["density"] for r in rows) / len(rows)
         if progress is not None:
             progress.stage(f"target KL: runtime on tuning prompts, allocation at mean density {density:.1%}")
-        fid = evaluate_against(model, tokenizer, manifest, fixed_rows + rows, reference(), min_tokens=VERIFY_MIN_TOKENS)
-        return fidelity_kl(fid)[1]
+        if memo.reference is None:
+            memo.reference = tuning_reference(cfg, model, tokenizer)
+        fid = evaluate_against(model, tokenizer, manifest, fixed_rows + rows, memo.reference, min_tokens=VERIFY_MIN_TOKENS)
+        memo.kl[key] = fidelity_kl(fid)[1]
+        return memo.kl[key]
 
     return kl_of
 

@@ -173,14 +173,36 @@ def test_a_target_kl_sweep_searches_once_and_writes_an_artifact_per_value(tiny_m
 
     cfg = CalibrateConfig(model=tiny_model, data="synthetic:passkey", search_space=str(space_file), max_tokens=256, out=tmp_path / "sweep",
                           eval_data=None, min_tokens=128, tune_samples=1, retrieval_guard=0, allow_miss=True, created="2026-01-01T00:00:00Z")
-    ticks = []
-    results = calibrate_sweep(cfg, [0.05, 0.01], Progress(layer=lambda *a: ticks.append(a)))
+    ticks, stages = [], []
+    results = calibrate_sweep(cfg, [0.05, 0.01], Progress(stage=stages.append, layer=lambda *a: ticks.append(a)))
     assert [r.path for r in results] == [tmp_path / "sweep" / "kl0.05", tmp_path / "sweep" / "kl0.01"]
     assert len(ticks) == 3  # the tiny model's 3 layers, searched once for both targets
+    runs = lambda v: sum(s.startswith(f"--target-kl {v}: target KL: runtime") for s in stages)
+    assert runs(0.05) >= 3 and runs(0.01) < runs(0.05)  # the per-layer KL probes ran once, for the first target
     assert [r.manifest["methods"]["mminference"]["target"]["value"] for r in results] == [0.05, 0.01]
     assert not (tmp_path / "sweep.partial").exists()  # the search was the sweep's own: removed
     alone = calibrate(CalibrateConfig(**{**cfg.__dict__, "target_kl": 0.01, "out": tmp_path / "alone"}))
     assert (alone.path / "heads.parquet").read_bytes() == (results[1].path / "heads.parquet").read_bytes()
+
+
+def test_a_sweeps_targets_share_the_dense_run_and_each_kl_measured(monkeypatch):
+    import sparsesearch.fidelity as fidelity
+    import sparsesearch.tuning as tuning
+
+    calls = {"reference": 0, "sparse": 0}
+    monkeypatch.setattr(tuning, "tuning_reference", lambda *a: calls.__setitem__("reference", calls["reference"] + 1) or "dense")
+    monkeypatch.setattr(fidelity, "evaluate_against", lambda model, tok, manifest, rows, ref, **kw: (
+        calls.__setitem__("sparse", calls["sparse"] + 1), {"teacher_forced": {"kl_mean": 0.001 * len(rows)}})[1])
+    memo = tuning.TuningMemo()
+    row = lambda layer, d: {"layer": layer, "head": 0, "pattern": "ashape", "density": d}
+    first = tuning.tuning_kl(None, None, None, {}, [row(0, 1.0)], memo=memo)
+    second = tuning.tuning_kl(None, None, None, {}, [row(0, 1.0)], memo=memo)  # the next target of the sweep
+    assert first([row(1, 0.5)]) == second([row(1, 0.5)]) == pytest.approx(0.002)
+    assert calls == {"reference": 1, "sparse": 1}
+    assert second([row(1, 0.25)]) == pytest.approx(0.002) and calls == {"reference": 1, "sparse": 2}  # another allocation
+    alone = tuning.tuning_kl(None, None, None, {}, [row(0, 1.0)])  # no memo: a run of its own
+    alone([row(1, 0.5)])
+    assert calls == {"reference": 2, "sparse": 3}
 
 
 @pytest.mark.parametrize("extra, message", [
