@@ -225,3 +225,30 @@ def test_a_launch_is_priced_by_its_kernels_not_the_hosts_gaps(tmp_path):
 
     assert _event_ms(call, 3) >= 4.5
     assert 0 < MeasuredCost(cache_path=tmp_path / "c.json")._time(call) < 1.0
+
+
+def test_a_launch_is_timed_once_learned_by_the_table_and_a_dynamic_build_timed_like_it(tmp_path, monkeypatch):
+    """cost_ms on the CPU with the timer stubbed: a static launch is timed once (then the exact key answers), its
+    time becomes a table point; a dynamic pattern adds its index build, timed by the same clock when the search
+    hands it over (``build``), else the search's wall time."""
+    from sparsesearch.patterns import ashape, block_topk
+    from sparsesearch.search.cost import DYNAMIC
+
+    timed = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (timed.append(run), 0.5 if run is not build else 0.25)[1])
+    costs = MeasuredCost(cache_path=tmp_path / "c.json", interpolate=False)
+    q = torch.zeros(1, 2, 512, 16)
+    static = ashape.build_index(ashape.AShapeParams(sink=64, local=128), 512, 512, heads=2, block_m=64, block_n=64)
+    run = lambda: None
+    build = lambda: None
+    density = torch.tensor([0.3, 0.3])
+    for _ in range(2):
+        assert costs.cost_ms("ashape", density, 512, q, static, run, 9.0).tolist() == [0.25, 0.25]  # 0.5 over 2 heads
+    assert len(timed) == 1 and costs.timed == 1
+    (points,) = costs.table.points.values()
+    assert points[-1][-1] == 0.5  # the table learned the time itself
+    assert "block_topk" in DYNAMIC
+    dynamic = block_topk.build_index(block_topk.BlockTopKParams(k_blocks=2), q, torch.zeros(1, 2, 512, 16), block_m=64, block_n=64)
+    assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 9.0, build=build).tolist() == [0.375, 0.375]
+    assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 0.001).tolist() == pytest.approx([0.75, 0.75])  # 0.5 + 1 ms wall

@@ -3,7 +3,8 @@
 Both answer the same question with the same interface, ``cost_ms(pattern, density, n, q, index, run,
 build_s) -> float64 [H]`` (milliseconds per head), so the search prunes the same way everywhere:
 - ``MeasuredCost`` times the candidate's kernel launch on the current GPU (``kernel_ms``: the GPU time of the
-  kernels it launches, the profiler's device time, as ``sparsesearch pareto`` costs every point) plus its measured index build, split evenly over the launch's heads; results for static
+  kernels it launches, the profiler's device time, as ``sparsesearch pareto`` costs every point) plus its
+  measured index build, split evenly over the launch's heads; results for static
   patterns are cached per (device, shape, pattern, density) in memory and in a JSON file. Every timed
   launch is also a point of its family's cost table (``CostTable``: pattern, heads, head_dim, dtype, tile
   shape, device): kernel time against what the launch does (full blocks, partial blocks, gathered columns,
@@ -271,16 +272,16 @@ class MeasuredCost:
                 return torch.full((heads,), self._cache[key] / heads, dtype=torch.float64)
         features = launch_features(index)
         family = None if features is None else f"{name}|{pattern}|{q.shape[1]}x{q.shape[-1]}|{q.dtype}|{index.block_m}x{index.block_n}"
-        kernel_ms = self.table.predict(family, features) if family is not None and self.interpolate else None
-        if kernel_ms is None:
-            kernel_ms = self._time(run)
+        launch_ms = self.table.predict(family, features) if family is not None and self.interpolate else None
+        if launch_ms is None:
+            launch_ms = self._time(run)
             self.timed += 1
             if family is not None:
-                self.table.add(family, features, kernel_ms)
+                self.table.add(family, features, launch_ms)
                 self._dirty = True
         else:
             self.priced += 1
-        total = kernel_ms + (self._build_ms(build, build_s) if pattern in DYNAMIC else 0.0)
+        total = launch_ms + (self._build_ms(build, build_s) if pattern in DYNAMIC else 0.0)
         if key is not None:
             self._cache[key] = total
             self._dirty = True
