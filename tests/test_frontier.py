@@ -94,3 +94,11 @@ def test_pareto_indices_keep_the_lowest_error_per_bucket_and_drop_dominated_poin
     cost = np.array([1.0, 1.2, 2.0, 3.0, 3.5])
     err = np.array([0.5, 0.4, 0.45, 0.1, 0.2])
     assert pareto_indices(cost, err, 1.0).tolist() == [1, 3]  # 1.2 beats 1.0 in its bucket; 2.0 and 3.5 are beaten
+
+
+def test_pareto_indices_without_buckets_keep_every_distinct_cost():
+    import numpy as np
+
+    cost = np.array([3.0, 1.0, 1.0, 2.0, 2.5])
+    err = np.array([0.1, 0.5, 0.4, 0.45, 0.3])
+    assert pareto_indices(cost, err, 0.0).tolist() == [2, 4, 0]  # 2.0 is beaten by 1.0's 0.4

@@ -80,9 +80,10 @@ def _pareto_list(points: list[tuple], step: float) -> list[tuple]:
 
 
 def pareto_indices(cost: np.ndarray, err: np.ndarray, step: float) -> np.ndarray:
-    """Indices of the points left after keeping the lowest error per cost bucket (width ``step``; the cheaper
-    point on equal error) and dropping every point whose error is not below all cheaper buckets' — by rising cost."""
-    buckets = np.floor(cost / step).astype(np.int64) if step > 0 else np.zeros(len(cost), dtype=np.int64)
+    """Indices of the points left after keeping the lowest error per cost bucket (width ``step``; step <= 0: one
+    bucket per distinct cost; the cheaper point on equal error) and dropping every point whose error is not
+    below all cheaper buckets' — by rising cost."""
+    buckets = np.floor(cost / step).astype(np.int64) if step > 0 else np.unique(cost, return_inverse=True)[1].reshape(-1)
     order = np.lexsort((cost, err, buckets))  # by bucket, then error, then cost
     first = np.ones(len(order), dtype=bool)
     first[1:] = buckets[order][1:] != buckets[order][:-1]
@@ -103,13 +104,11 @@ def frontier_kl_path(curves: list[HeadCurve], sensitivity: dict[int, float], bin
     extra = [a for a in exact_frontier(model, bins) if tuple(a.choices) not in known]
     for a in extra:
         a.reasons = {(c.layer, c.head): _between_reason(c, sensitivity[c.layer]) for c, i in zip(curves, a.choices) if i == DENSE}
-    points = sorted(zip(path[:-1] + extra, predicted[:-1] + [predicted_kl(model, a) for a in extra]),
-                    key=lambda p: (p[0].cost(curves), p[1]))
-    kept: list[tuple[Allocation, float]] = []
-    for a, kl in points:  # what the buckets let through and a cheaper point beats: off the frontier
-        if not kept or kl < kept[-1][1]:
-            kept.append((a, kl))
-    return [a for a, _ in kept] + [path[-1]], [kl for _, kl in kept] + [predicted[-1]]
+    allocs = path[:-1] + extra
+    kls = predicted[:-1] + [predicted_kl(model, a) for a in extra]
+    # what the buckets let through and a cheaper point beats is off the frontier
+    keep = pareto_indices(np.array([a.cost(curves) for a in allocs]), np.array(kls), 0.0).tolist()
+    return [allocs[i] for i in keep] + [path[-1]], [kls[i] for i in keep] + [predicted[-1]]
 
 
 def _between_reason(c: HeadCurve, sensitivity: float) -> str:
