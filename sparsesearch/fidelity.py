@@ -151,6 +151,19 @@ def final_hidden(model, sample, artifact=None, *, min_tokens: int = 1024, audit:
     return kept[0], errors
 
 
+def answer_probs(model, sample, artifact=None, *, min_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced scores of each answer token after the prompt and the answer's earlier tokens: (probability
+    fp32 [A], whether it is the most likely token there, bool [A]). One ``final_hidden`` forward of prompt +
+    answer, the lm head over the A positions that predict the answer (t predicts t + 1), never the whole
+    sequence's logits."""
+    hidden, _ = final_hidden(model, sample, artifact, min_tokens=min_tokens)
+    answer = sample.answer_ids.to(hidden.device)
+    n, a = hidden.shape[0], answer.numel()
+    with torch.no_grad():
+        logprobs = _head(model)(hidden[n - a - 1 : n - 1])
+    return logprobs.gather(-1, answer[:, None])[:, 0].exp().cpu(), (logprobs.argmax(-1) == answer).cpu()
+
+
 def _forward_until_head(model, ids, kwargs) -> None:
     try:
         model(ids, **kwargs)

@@ -3,12 +3,22 @@
 - the KL: teacher-forced KL(dense || sparse) over every position of ``tune_samples`` calibration prompts
   after the searched ones (``tuning_kl``), the value the Lagrangian path is bisected on;
 - the retrieval guard: ``retrieval_guard`` passkey prompts at the calibration length, a point passing when
-  every prompt dense answers right is answered right with the sparse runtime too (``retrieval_guard``).
+  no prompt the dense model retrieves loses its key with the sparse runtime (``retrieval_guard``).
   Average KL cannot see a lost needle: on Gemma 3 270M at 8K (H200, RESULTS Run 33) the wide-space
   ``--target-kl 0.02`` artifact held teacher-forced KL 0.0048 on the passkey prompts while answering 14 of
   the 17 that dense answered (streaming heads in the global layers drop the middle of the context); the
   answer token is one position of thousands. The guard moves the KL target's choice up the path to the
-  cheapest point that loses no answer.
+  cheapest point that loses no key.
+
+  The guard reads the key's digits teacher-forced (``fidelity.answer_probs``), not greedy answers: a greedy
+  answer is decided by its first token, which is a choice of *format* (" 17412" or " the pass key is ..."),
+  near a coin toss for small models. SmolLM2-135M at 8K starts its answer with " " at p 0.30 against " a"
+  (" a magical key ...") at 0.32 and then writes every digit at p >= 0.98 (CPU, RESULTS Run 38); Gemma 3 270M
+  starts with " " at 0.31-0.38 against " the" at 0.24-0.27. Held to greedy answers, SmolLM2's guard saw one
+  answered prompt flip format under any sparse point and pushed all 11 targets of a sweep (0.4 .. 0.005) to one
+  near-dense point (H200 Run 38). A key is held when every digit is dense's most likely token there (Gemma's
+  weakest guard digit is 0.37 against 0.18 for the runner-up: retrieved, if not surely); it is lost when a digit
+  falls below GUARD_KEEPS of its dense probability.
 
 Everything is measured through the sparse runtime with ``VERIFY_MIN_TOKENS`` (the patterns' quality at every
 length, not the dense cut-off's); dense runs are made once per search and reused, and a ``--target-kl`` sweep's
@@ -27,6 +37,7 @@ if TYPE_CHECKING:
 
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
 GUARD_DATA = "synthetic:passkey"  # one needle at a seeded depth in filler text: the retrieval a streaming head loses
+GUARD_KEEPS = 0.5  # a sparse point loses a key when a digit's probability halves: rounding moves it by a few percent
 
 
 def fidelity_kl(fidelity: dict) -> tuple[str, float]:
@@ -123,25 +134,35 @@ def guard_samples(cfg: "CalibrateConfig", tokenizer) -> list:
 
 def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
                     progress=None) -> tuple[Callable[[list[dict]], int] | None, dict]:
-    """misses_of for ``allocate_target``: rows of the searched layers -> how many guard prompts that dense
-    answers right the model with ``fixed_rows`` + those rows answers wrong (greedy, the answer's tokens).
-    Returns (misses_of, the manifest's record); misses_of is None when dense answers none (nothing to hold).
-    Only the generations are run (fidelity.generate): the guard reads answers, not teacher-forced KL."""
-    from .fidelity import as_artifact, generate
+    """misses_of for ``allocate_target``: rows of the searched layers -> how many guard prompts whose key dense
+    retrieves (every digit its most likely token, teacher-forced) the model with ``fixed_rows`` + those rows
+    loses (a digit below GUARD_KEEPS of its dense probability). Returns (misses_of, the manifest's record);
+    misses_of is None when dense retrieves no key (nothing to hold). One forward per prompt, no generation, no KL."""
+    from .fidelity import answer_probs, as_artifact
 
     samples = guard_samples(cfg, tokenizer)
-    dense = [generate(model, tokenizer, s).correct is True for s in samples]
+    steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
+    scored = [answer_probs(model, s) for s in samples]
+    dense = [p[k] for (p, _), k in zip(scored, steps)]
+    held = [i for i, ((_, top), k) in enumerate(zip(scored, steps)) if k and bool(top[k].all())]
     record = {"data": GUARD_DATA, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
-              "dense_correct": sum(dense)}
-    if not any(dense):
-        return None, {**record, "held": None, "why": f"dense answers 0 of {len(samples)} guard prompts: nothing to hold"}
+              "dense_retrieves": len(held), "rule": f"held: every digit dense's most likely token; lost: a digit below "
+              f"{GUARD_KEEPS} x its dense p (teacher-forced)", "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in dense]}
+    if not held:
+        return None, {**record, "held": None, "why": f"dense retrieves none of the {len(samples)} guard keys: nothing to hold"}
 
     def misses_of(rows: list[dict]) -> int:
         if progress is not None:
-            progress.stage(f"retrieval guard: the {sum(dense)} passkey prompts dense answers, through the runtime")
+            progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
         artifact = as_artifact(manifest, fixed_rows + rows)
-        # a prompt dense answers wrong cannot be lost: only those dense answers are run sparse
-        return sum(generate(model, tokenizer, s, artifact, min_tokens=VERIFY_MIN_TOKENS).correct is not True
-                   for s, d in zip(samples, dense) if d)
+        sparse = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] for i in held}
+        return sum(bool((sparse[i] < GUARD_KEEPS * dense[i]).any()) for i in held)
 
     return misses_of, record
+
+
+def key_steps(tokenizer, answer_ids) -> list[int]:
+    """Indices of the answer tokens that carry its characters: a whitespace token (" " before the digits) is
+    the answer's format, not the key."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor holds its tokenizer
+    return [i for i, t in enumerate(answer_ids.tolist()) if tok.decode([t]).strip()]

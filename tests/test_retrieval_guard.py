@@ -49,17 +49,17 @@ def test_hold_guard_finds_the_cheapest_point_at_or_past_the_start(start, table, 
 
 def test_hold_retrieval_records_the_move_and_the_miss():
     misses_of, _ = _misses({0: 2, 1: 1, 2: 0, 3: 0})
-    alloc, record, miss = hold_retrieval(PATH, 0, (misses_of, {"dense_correct": 3}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 0, (misses_of, {"dense_retrieves": 3}), _rows, [CURVE])
     assert alloc is PATH[2] and miss is None
     assert record["held"] and record["kl_choice_cost"] == 0.2 and record["cost"] == 0.6
     assert [m["cost_fraction"] for m in record["measured"]] == sorted(m["cost_fraction"] for m in record["measured"])
 
     failing, _ = _misses({0: 3, 1: 2, 2: 1, 3: 1})
-    alloc, record, miss = hold_retrieval(PATH, 0, (failing, {"dense_correct": 3}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 0, (failing, {"dense_retrieves": 3}), _rows, [CURVE])
     assert alloc is PATH[0] and not record["held"]
     assert miss.startswith("the retrieval guard cannot be held: the densest sparse allocation loses 1 of 3")
 
-    alloc, record, miss = hold_retrieval(PATH, 1, (None, {"dense_correct": 0, "why": "nothing to hold"}), _rows, [CURVE])
+    alloc, record, miss = hold_retrieval(PATH, 1, (None, {"dense_retrieves": 0, "why": "nothing to hold"}), _rows, [CURVE])
     assert alloc is PATH[1] and miss is None and record["why"] == "nothing to hold"
 
 
@@ -70,7 +70,8 @@ def test_a_guard_dense_cannot_answer_is_recorded_not_applied(tmp_path):
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=2)
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
     assert misses_of is None  # a random tiny model answers no passkey
-    assert record["data"] == GUARD_DATA and record["prompts"] == 2 and record["dense_correct"] == 0
+    assert record["data"] == GUARD_DATA and record["prompts"] == 2 and record["dense_retrieves"] == 0
+    assert len(record["dense_min_p"]) == 2 and all(p < 0.5 for p in record["dense_min_p"]), "a random tiny model retrieves no key"
     assert record["held"] is None and "nothing to hold" in record["why"]
 
 
@@ -87,7 +88,7 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
         def misses_of(rows):
             return int(sum(r["density"] for r in rows) / len(rows) < 0.6)
 
-        return misses_of, {"data": GUARD_DATA, "prompts": 1, "dense_correct": 1}
+        return misses_of, {"data": GUARD_DATA, "prompts": 1, "dense_retrieves": 1}
 
     monkeypatch.setattr(cal, "retrieval_guard", fake_guard)
     space = tmp_path / "space.json"
@@ -105,38 +106,86 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("guard, says", [
-    ({"prompts": 4, "dense_correct": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.52}, "held by moving from 31.0% to 52.0% of dense cost"),
-    ({"prompts": 4, "dense_correct": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.31}, "held at the KL target's own choice"),
-    ({"prompts": 4, "dense_correct": 3, "held": False, "kl_choice_cost": 0.31}, "NOT held"),
-    ({"prompts": 4, "dense_correct": 0, "held": None, "why": "dense answers 0 of 4 guard prompts: nothing to hold"}, "nothing to hold"),
+    ({"prompts": 4, "dense_retrieves": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.52}, "held by moving from 31.0% to 52.0% of dense cost"),
+    ({"prompts": 4, "dense_retrieves": 3, "held": True, "kl_choice_cost": 0.31, "cost": 0.31}, "held at the KL target's own choice"),
+    ({"prompts": 4, "dense_retrieves": 3, "held": False, "kl_choice_cost": 0.31}, "NOT held"),
+    ({"prompts": 4, "dense_retrieves": 0, "held": None, "why": "dense retrieves none of the 4 guard keys: nothing to hold"}, "nothing to hold"),
 ])
 def test_the_report_says_what_the_guard_did(guard, says):
     from sparsesearch_cli.calibrate import guard_line
 
     line = guard_line(guard)
-    assert line.startswith(f"retrieval guard (4 passkey prompts, dense answers {guard['dense_correct']}): ") and says in line
+    assert line.startswith(f"retrieval guard (4 passkey prompts, dense retrieves {guard['dense_retrieves']}): ") and says in line
 
 
-def test_misses_count_only_answers_dense_gives(tmp_path, monkeypatch):
-    """misses_of runs sparse only the prompts dense answers, and counts those the artifact loses (the model's
-    generations stood in for by a table: dense answers prompts 0 and 2, the artifact loses prompt 2)."""
+def test_the_report_reads_a_greedy_guard_record():
+    """Artifacts written before Run 38 counted greedy answers (dense_correct): inspect still reads them."""
+    from sparsesearch_cli.calibrate import guard_line
+
+    line = guard_line({"prompts": 4, "dense_correct": 1, "held": True, "kl_choice_cost": 0.1, "cost": 0.6})
+    assert line.startswith("retrieval guard (4 passkey prompts, dense answers 1): held by moving")
+
+
+@pytest.mark.parametrize("dense, top, sparse, held, misses", [
+    # per prompt, per answer token (" " then two digits): dense's teacher-forced probabilities, whether each is
+    # dense's most likely token, and the artifact's probabilities
+    ([[0.3, 0.98, 0.99], [0.3, 0.6, 0.2], [0.9, 0.37, 0.8]], [[0, 1, 1], [0, 1, 0], [1, 1, 1]],
+     [[0.05, 0.97, 0.9], [0.3, 0.1, 0.1], [0.9, 0.18, 0.8]], [0, 2], 1),
+    ([[0.3, 0.98, 0.99], [0.3, 0.6, 0.2]], [[0, 1, 1], [1, 1, 0]], [[0.01, 0.6, 0.6], [0.3, 0.0, 0.0]], [0], 0),
+    ([[0.9, 0.4, 0.99]], [[1, 0, 1]], [[0.9, 0.4, 0.99]], [], None),
+])
+def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp_path, monkeypatch, dense, top, sparse, held, misses):
+    """A key is held when every digit is dense's most likely token (a leading " " is format, not key: neither
+    its rank nor its 0.05 under sparse counts) and lost when a digit falls below GUARD_KEEPS x its dense p (0.37
+    -> 0.18); only held prompts run sparse. The model's forwards are stood in for by tables."""
     import sparsesearch.fidelity as fid
+    import sparsesearch.tuning as tuning
     from sparsesearch.models import load_model
 
     model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
-    samples = {}
-    calls = []
+    order, calls = {}, []
 
-    def fake_generate(model, tokenizer, sample, artifact=None, *, min_tokens=1024):
-        i = samples.setdefault(id(sample), len(samples))
+    def fake_answer_probs(model, sample, artifact=None, *, min_tokens=1024):
+        i = order.setdefault(id(sample), len(order))
         calls.append((i, artifact is not None))
-        right = i in (0, 2) if artifact is None else i == 0
-        return fid.Generation(len(sample.input_ids), torch.zeros(0, dtype=torch.long), right)
+        probs = torch.tensor((sparse if artifact is not None else dense)[i])
+        return probs, torch.tensor(top[i], dtype=torch.bool)
 
-    monkeypatch.setattr(fid, "generate", fake_generate)
-    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=3)
+    monkeypatch.setattr(fid, "answer_probs", fake_answer_probs)
+    monkeypatch.setattr(tuning, "key_steps", lambda tokenizer, ids: [1, 2])
+    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=len(dense))
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
-    assert record["dense_correct"] == 2 and misses_of is not None
+    assert record["dense_retrieves"] == len(held) and len(record["dense_min_p"]) == len(dense)
+    if misses is None:
+        assert misses_of is None and record["held"] is None and "nothing to hold" in record["why"]
+        return
     calls.clear()
-    assert misses_of([]) == 1
-    assert calls == [(0, True), (2, True)], "prompt 1 (dense wrong) is never run sparse"
+    assert misses_of([]) == misses
+    assert calls == [(i, True) for i in held], "prompts dense does not retrieve are never run sparse"
+
+
+def test_key_steps_leave_out_the_answers_whitespace(tmp_path):
+    from sparsesearch.models import load_model
+    from sparsesearch.tuning import key_steps
+
+    _, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
+    ids = tok.encode(" ", add_special_tokens=False) + tok.encode("17", add_special_tokens=False)
+    assert key_steps(tok, torch.tensor(ids)) == list(range(len(ids)))[1:]
+
+
+def test_answer_probs_are_the_teacher_forced_probabilities_of_the_answer(tmp_path):
+    """answer_probs equals the full forward's softmax at the positions before each answer token."""
+    from sparsesearch.data import load_calibration
+    from sparsesearch.fidelity import answer_probs, sequence_ids
+    from sparsesearch.models import load_model
+
+    model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
+    sample = load_calibration("synthetic:passkey", tok, max_tokens=256, samples=1, seed=0)[0]
+    got, top = answer_probs(model, sample)
+    ids = sequence_ids(sample)
+    a = sample.answer_ids.numel()
+    with torch.no_grad():
+        probs = model(ids[None]).logits[0].float().softmax(-1)[ids.numel() - a - 1 : -1]
+    want = probs.gather(-1, sample.answer_ids[:, None])[:, 0]
+    assert got.shape == (a,) and torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(top, probs.argmax(-1) == sample.answer_ids)

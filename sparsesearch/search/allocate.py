@@ -184,5 +184,5 @@ def hold_retrieval(path, chosen: int, guard, rows_of, curves) -> tuple[Allocatio
     if held is None:
         top = len(path) - 2
         return path[chosen], record, (f"the retrieval guard cannot be held: the densest sparse allocation loses {measured[top]} of "
-                                      f"{record['dense_correct']} passkey answers dense gives (--retrieval-guard 0 to turn it off)")
+                                      f"{record['dense_retrieves']} passkey keys dense retrieves (--retrieval-guard 0 to turn it off)")
     return path[held], {**record, "cost": at(held)}, None
