@@ -166,6 +166,9 @@ def guard_line(guard: dict) -> str:
         return head + guard.get("why", "not applied")
     if not guard["held"]:
         return head + "NOT held: the densest sparse allocation still loses answers"
+    if guard.get("by") == "protect":
+        layers = ", ".join(str(layer) for layer in guard["protect"]["layers"])
+        return head + f"held by keeping layer(s) {layers} dense: {guard['kl_choice_cost']:.1%} to {guard['cost']:.1%} of dense cost"
     if guard["cost"] > guard["kl_choice_cost"]:
         return head + f"held by moving from {guard['kl_choice_cost']:.1%} to {guard['cost']:.1%} of dense cost"
     return head + "held at the KL target's own choice"

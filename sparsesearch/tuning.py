@@ -32,6 +32,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .search.targets import KeyCheck
+
 if TYPE_CHECKING:
     from .calibrate import CalibrateConfig
 
@@ -133,11 +135,12 @@ def guard_samples(cfg: "CalibrateConfig", tokenizer) -> list:
 
 
 def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
-                    progress=None) -> tuple[Callable[[list[dict]], int] | None, dict]:
-    """misses_of for ``allocate_target``: rows of the searched layers -> how many guard prompts whose key dense
-    retrieves (every digit its most likely token, teacher-forced) the model with ``fixed_rows`` + those rows
-    loses (a digit below GUARD_KEEPS of its dense probability). Returns (misses_of, the manifest's record);
-    misses_of is None when dense retrieves no key (nothing to hold). One forward per prompt, no generation, no KL."""
+                    progress=None) -> tuple[Callable[[list[dict]], KeyCheck] | None, dict]:
+    """check_of for ``allocate_target``: rows of the searched layers -> KeyCheck: how many guard prompts whose
+    key dense retrieves (every digit its most likely token, teacher-forced) the model with ``fixed_rows`` + those
+    rows loses (a digit below GUARD_KEEPS of its dense probability), and the lowest sparse / dense ratio of a held
+    digit. Returns (check_of, the manifest's record); check_of is None when dense retrieves no key (nothing to
+    hold). One forward per held prompt, no generation, no KL."""
     from .fidelity import answer_probs, as_artifact
 
     samples = guard_samples(cfg, tokenizer)
@@ -151,14 +154,14 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
     if not held:
         return None, {**record, "held": None, "why": f"dense retrieves none of the {len(samples)} guard keys: nothing to hold"}
 
-    def misses_of(rows: list[dict]) -> int:
+    def check_of(rows: list[dict]) -> KeyCheck:
         if progress is not None:
             progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
         artifact = as_artifact(manifest, fixed_rows + rows)
-        sparse = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] for i in held}
-        return sum(bool((sparse[i] < GUARD_KEEPS * dense[i]).any()) for i in held)
+        ratio = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] / dense[i] for i in held}
+        return KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio.values()), min(float(r.min()) for r in ratio.values()))
 
-    return misses_of, record
+    return check_of, record
 
 
 def key_steps(tokenizer, answer_ids) -> list[int]:

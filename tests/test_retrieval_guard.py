@@ -9,7 +9,7 @@ import torch
 
 from sparsesearch.calibrate import CalibrateConfig
 from sparsesearch.search.allocate import hold_retrieval
-from sparsesearch.search.targets import DENSE, Allocation, HeadCurve, hold_guard
+from sparsesearch.search.targets import DENSE, Allocation, HeadCurve, KeyCheck, hold_guard, protect_layers
 from sparsesearch.tuning import GUARD_DATA, retrieval_guard
 from tiny_model import make_tiny_model
 
@@ -47,14 +47,20 @@ def test_hold_guard_finds_the_cheapest_point_at_or_past_the_start(start, table, 
         assert measured[held] == 0 and all(measured[i] > 0 for i in measured if i < held)
 
 
+def _checks(table: dict[int, int]):
+    """check_of over rows_of's one row: misses from the table, worst 0.1 when a key is lost."""
+    misses_of, calls = _misses(table)
+    return (lambda rows: KeyCheck(m := misses_of(rows), 0.1 if m else 0.9)), calls
+
+
 def test_hold_retrieval_records_the_move_and_the_miss():
-    misses_of, _ = _misses({0: 2, 1: 1, 2: 0, 3: 0})
+    misses_of, _ = _checks({0: 2, 1: 1, 2: 0, 3: 0})
     alloc, record, miss = hold_retrieval(PATH, 0, (misses_of, {"dense_retrieves": 3}), _rows, [CURVE])
     assert alloc is PATH[2] and miss is None
     assert record["held"] and record["kl_choice_cost"] == 0.2 and record["cost"] == 0.6
     assert [m["cost_fraction"] for m in record["measured"]] == sorted(m["cost_fraction"] for m in record["measured"])
 
-    failing, _ = _misses({0: 3, 1: 2, 2: 1, 3: 1})
+    failing, _ = _checks({0: 3, 1: 2, 2: 1, 3: 1})
     alloc, record, miss = hold_retrieval(PATH, 0, (failing, {"dense_retrieves": 3}), _rows, [CURVE])
     assert alloc is PATH[0] and not record["held"]
     assert miss.startswith("the retrieval guard cannot be held: the densest sparse allocation loses 1 of 3")
@@ -85,10 +91,11 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
     from test_calibrate import SPACE
 
     def fake_guard(cfg, model, tokenizer, manifest, fixed_rows, progress=None):
-        def misses_of(rows):
-            return int(sum(r["density"] for r in rows) / len(rows) < 0.6)
+        def check_of(rows):
+            lost = int(sum(r["density"] for r in rows) / len(rows) < 0.6)
+            return KeyCheck(lost, 0.2 if lost else 0.9)
 
-        return misses_of, {"data": GUARD_DATA, "prompts": 1, "dense_retrieves": 1}
+        return check_of, {"data": GUARD_DATA, "prompts": 1, "dense_retrieves": 1}
 
     monkeypatch.setattr(cal, "retrieval_guard", fake_guard)
     space = tmp_path / "space.json"
@@ -99,7 +106,9 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
     rec = res.manifest["methods"]["mminference"]["target"]
     guard = rec["retrieval_guard"]
     assert guard["held"] and guard["cost"] > guard["kl_choice_cost"], "the KL alone chose a cheaper point: the guard moved it"
-    assert all(m["misses"] == 0 for m in guard["measured"] if m["cost_fraction"] >= guard["cost"])
+    how = guard["protect"] if guard.get("by") == "protect" else guard
+    assert all(m["misses"] == 0 for m in how["measured"] if m["cost_fraction"] >= guard["cost"])
+    assert "protect" in guard, "a moved choice also tries keeping layers dense"
     chosen = rec["calibration"]
     assert chosen["cost_fraction"] == guard["cost"] and chosen["mean_density"] >= 0.6
     assert chosen["achieved"] is not None and chosen["achieved"] <= target
@@ -160,7 +169,8 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
         assert misses_of is None and record["held"] is None and "nothing to hold" in record["why"]
         return
     calls.clear()
-    assert misses_of([]) == misses
+    reading = misses_of([])
+    assert reading.misses == misses and 0.0 <= reading.worst
     assert calls == [(i, True) for i in held], "prompts dense does not retrieve are never run sparse"
 
 
@@ -189,3 +199,55 @@ def test_answer_probs_are_the_teacher_forced_probabilities_of_the_answer(tmp_pat
     want = probs.gather(-1, sample.answer_ids[:, None])[:, 0]
     assert got.shape == (a,) and torch.allclose(got, want, atol=1e-5)
     assert torch.equal(top, probs.argmax(-1) == sample.answer_ids)
+
+
+def _layers_curves(n: int) -> list[HeadCurve]:
+    """n layers of one head, each with one candidate at 0.2 of its dense cost."""
+    return [HeadCurve(layer=l, head=0, cost=(0.2,), error=(0.1,), dense_cost=1.0) for l in range(n)]
+
+
+@pytest.mark.parametrize("lose, expected", [
+    # a key is lost when layer 1 is sparse, or layers 0 and 2 are both sparse: 1 first (it loses a key alone),
+    # then 2 (its digits fall further alone than 0's)
+    (lambda sparse: int(1 in sparse) + int({0, 2} <= sparse), [1, 2]),
+    (lambda sparse: 0, []),  # nothing lost: nothing kept dense
+    (lambda sparse: int(len(sparse) > 0), None),  # every sparse layer loses the key: only all-dense holds
+])
+def test_protect_layers_keeps_the_fewest_layers_that_hold_the_keys(lose, expected):
+    curves = _layers_curves(4)
+    start = Allocation([0, 0, 0, DENSE])
+    worst_alone = {0: 0.8, 1: 0.1, 2: 0.6}
+
+    def check(a):
+        sparse = {c.layer for c, i in zip(curves, a.choices) if i != DENSE}
+        m = lose(sparse)
+        return KeyCheck(m, min([worst_alone[l] for l in sparse] + [1.0]) if len(sparse) == 1 else (0.1 if m else 0.9))
+
+    layers, alone = protect_layers(curves, start, check)
+    assert layers == expected
+    assert sorted(alone) == [0, 1, 2], "every sparse layer is read alone; an all-dense layer is not"
+
+
+def test_protect_retrieval_holds_where_moving_up_the_path_cannot():
+    """Four layers; a key is lost whenever layer 2 is sparse, the layer the KL model ranks cheapest to make
+    sparse, so every sparse point of its path keeps layer 2 sparse and the guard's path move cannot hold.
+    Protecting keeps layer 2 dense and meets the KL target over the other three."""
+    from sparsesearch.search.allocate import protect_retrieval
+    from sparsesearch.search.frontier import frontier_kl_path
+    from sparsesearch.search.targets import search_target
+
+    curves = [HeadCurve(layer=l, head=0, cost=(0.1, 0.3), error=(0.3, 0.1), dense_cost=1.0) for l in range(4)]
+    sensitivity = {0: 1.0, 1: 1.0, 2: 0.01, 3: 1.0}  # layer 2 looks harmless to the KL model: it goes sparse first
+    kl = lambda a: sum(sensitivity[c.layer] * c.error_of(i) ** 2 for c, i in zip(curves, a.choices))
+    check = lambda a: KeyCheck(int(a.choices[2] != DENSE), 0.1 if a.choices[2] != DENSE else 1.0)
+    path, predicted = frontier_kl_path(curves, sensitivity)
+    target = 0.05
+    start = search_target(path, kl, target, [a.cost_fraction(curves) for a in path], 0.0, predicted).chosen
+    moved, _ = hold_guard(path, start, lambda a: check(a).misses)
+    prot = protect_retrieval(curves, sensitivity, path[start], check, kl, target)
+    assert prot.record["layers"] == [2] and prot.chosen is not None
+    held = prot.path[prot.chosen]
+    assert held.choices[2] == DENSE and "kept dense for retrieval" in held.reasons[(2, 0)]
+    assert check(held).misses == 0 and kl(held) <= target
+    assert moved is None, "layer 2 is the path's last to go dense: no sparse point of the path holds"
+    assert prot.record["cost"] == round(held.cost_fraction(curves), 6) and prot.measured, "its KL was measured"

@@ -21,8 +21,8 @@ from ..patterns.dense import DenseParams
 from .frontier import frontier_kl_path
 from .layer import Scored, artifact_row, mean_scored
 from .targets import (
-    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, hold_guard, kl_sensitivity,
-    lagrangian_path, only_layer, probe_allocation, search_target,
+    DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, dense_layers, hold_guard, kl_sensitivity,
+    lagrangian_path, only_layer, probe_allocation, protect_layers, search_target,
 )
 from .workfiles import GLOBAL, scope_path, scores_from_json
 
@@ -142,6 +142,16 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
                     f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
         elif guard is not None:
             alloc, guard_record, guard_miss = hold_retrieval(path, found.chosen, guard, rows_of, curves)
+            if guard[0] is not None and (guard_miss or alloc is not path[found.chosen]):
+                # the KL's choice loses a key: keeping the layers that lose it dense may hold the guard cheaper
+                # than moving up the path (SmolLM2 8K, RESULTS Run 38: the move went from 0.13-0.55 to 0.67 of dense)
+                check = lambda a: guard[0](rows_of(a))
+                prot = protect_retrieval(curves, model["sensitivity"], path[found.chosen], check, lambda a: kl_of(rows_of(a)), value)
+                guard_record["protect"] = prot.record
+                if prot.chosen is not None and (guard_miss or prot.path[prot.chosen].cost(curves) < alloc.cost(curves)):
+                    path, predicted, measured = prot.path, prot.predicted, prot.measured
+                    alloc, guard_miss = path[prot.chosen], None
+                    guard_record = {**guard_record, "held": True, "by": "protect", "cost": prot.record["cost"]}
             miss = miss or guard_miss
             if path.index(alloc) not in measured:  # moved up by the guard: its own KL, so the record's achieved is measured
                 measured[path.index(alloc)] = float(kl_of(rows_of(alloc)))
@@ -172,12 +182,12 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
 
 
 def hold_retrieval(path, chosen: int, guard, rows_of, curves) -> tuple[Allocation, dict, str | None]:
-    """The KL target's choice path[chosen] moved up the path to the cheapest point that loses no guard answer
+    """The KL target's choice path[chosen] moved up the path to the cheapest point that loses no guard key
     (search/targets.hold_guard) -> (allocation, the manifest's guard record, a miss line or None)."""
-    misses_of, record = guard
-    if misses_of is None:  # dense answers none of the guard prompts: the KL's choice stands, said so
+    check_of, record = guard
+    if check_of is None:  # dense retrieves none of the guard keys: the KL's choice stands, said so
         return path[chosen], record, None
-    held, measured = hold_guard(path, chosen, lambda a: misses_of(rows_of(a)))
+    held, measured = hold_guard(path, chosen, lambda a: check_of(rows_of(a)).misses)
     at = lambda i: round(path[i].cost_fraction(curves), 6)
     record = {**record, "held": held is not None, "kl_choice_cost": at(chosen),
               "measured": [{"cost_fraction": at(i), "misses": m} for i, m in sorted(measured.items())]}
@@ -186,3 +196,55 @@ def hold_retrieval(path, chosen: int, guard, rows_of, curves) -> tuple[Allocatio
         return path[chosen], record, (f"the retrieval guard cannot be held: the densest sparse allocation loses {measured[top]} of "
                                       f"{record['dense_retrieves']} passkey keys dense retrieves (--retrieval-guard 0 to turn it off)")
     return path[held], {**record, "cost": at(held)}, None
+
+
+@dataclass
+class Protected:
+    """The guard's other way to hold a KL choice that loses a key (search/targets.protect_layers): its layers
+    ``layers`` kept dense and the KL target searched again over the rest. path/predicted/measured: that search's
+    path, predicted KL and measured KL by index; chosen: the path index the guard holds at; record: the manifest's
+    account (each layer's reading alone, the layers kept, the cost reached)."""
+
+    path: list[Allocation]
+    predicted: list[float]
+    measured: dict[int, float]
+    chosen: int | None
+    record: dict
+
+
+def protect_retrieval(curves: list[HeadCurve], sensitivity: dict[int, float], start: Allocation, check, kl_of, value: float) -> Protected:
+    """Keep dense the fewest layers whose sparse heads lose a key at ``start`` (the KL target's choice), then meet
+    the KL target over the remaining layers (their exact frontier, search_target on kl_of) and hold the guard along
+    that path (hold_guard). check(alloc) -> KeyCheck, kl_of(alloc) -> measured KL."""
+    layers, alone = protect_layers(curves, start, check)
+    record = {"alone": [{"layer": layer, "misses": r.misses, "worst": round(r.worst, 4)} for layer, r in sorted(alone.items())],
+              "layers": layers}
+    if not layers:  # None: only every layer dense holds; []: nothing to protect (the KL choice holds)
+        return Protected([], [], {}, None, record)
+    keep = set(layers)
+    lost = {layer: alone[layer] for layer in layers}
+    why = lambda c: (f"kept dense for retrieval: with only layer {c.layer}'s heads sparse the model loses {lost[c.layer].misses} passkey "
+                     f"key(s) dense retrieves (weakest digit at {lost[c.layer].worst:.2g} of its dense probability)")
+    rest = [c for c in curves if c.layer not in keep]
+    sub, predicted = frontier_kl_path(rest, sensitivity)
+    at = {(c.layer, c.head): k for k, c in enumerate(curves)}
+
+    def widen(a: Allocation) -> Allocation:  # a choice per head of ``rest`` -> one per head of ``curves``, kept layers dense
+        choices = [DENSE] * len(curves)
+        for c, i in zip(rest, a.choices):
+            choices[at[(c.layer, c.head)]] = i
+        return dense_layers(Allocation(choices, a.lam, a.reasons), curves, keep, why)
+
+    path = [widen(a) for a in sub]
+    if len(path) < 2:  # the other layers have no candidate cheaper than dense
+        return Protected(path, predicted, {}, None, {**record, "held": False, "why": "no other layer has a sparse candidate"})
+    found = search_target(path, kl_of, value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
+    measured = dict(found.measured)
+    if found.chosen is None:
+        return Protected(path, predicted, measured, None, {**record, "held": False, "why": "the KL target cannot be met with these layers dense"})
+    held, checks = hold_guard(path, found.chosen, lambda a: check(a).misses)
+    record = {**record, "held": held is not None, "kl_choice_cost": round(path[found.chosen].cost_fraction(curves), 6),
+              "measured": [{"cost_fraction": round(path[i].cost_fraction(curves), 6), "misses": m} for i, m in sorted(checks.items())]}
+    if held is not None:
+        record["cost"] = round(path[held].cost_fraction(curves), 6)
+    return Protected(path, predicted, measured, held, record)

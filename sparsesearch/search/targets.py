@@ -386,6 +386,37 @@ def predicted_kl(model_curves: list[HeadCurve], alloc: Allocation) -> float:
     return sum(c.error_of(i) for c, i in zip(model_curves, alloc.choices))
 
 
+@dataclass(frozen=True)
+class KeyCheck:
+    """The retrieval guard's reading of one allocation (sparsesearch/tuning.py): misses, the keys dense retrieves
+    that it loses; worst, the lowest ratio of a held key digit's probability to its dense one (1.0: untouched)."""
+
+    misses: int
+    worst: float
+
+
+def dense_layers(alloc: Allocation, curves: list[HeadCurve], layers: set[int], reason: Callable[[HeadCurve], str]) -> Allocation:
+    """``alloc`` with every head of ``layers`` dense, each such head's reason from ``reason``."""
+    reasons = {**alloc.reasons, **{(c.layer, c.head): reason(c) for c in curves if c.layer in layers}}
+    return Allocation([DENSE if c.layer in layers else i for c, i in zip(curves, alloc.choices)], alloc.lam, reasons)
+
+
+def protect_layers(curves: list[HeadCurve], alloc: Allocation, check: Callable[[Allocation], KeyCheck]
+                   ) -> tuple[list[int] | None, dict[int, KeyCheck]]:
+    """The fewest layers to keep dense so that ``alloc`` loses no key: each sparse layer is read alone (only its
+    heads sparse), the layers are ranked by what they lose alone (misses, then the weakest digit), and the
+    shortest prefix of that ranking whose layers dense make the guard pass is found by bisection (misses assumed
+    non-increasing as layers are added). A few layers may carry the needle (retrieval heads are few: DuoAttention,
+    paper 000's peers); the guard's path move instead densifies whatever the KL model ranks next. Returns (the
+    layers, or None when only every layer dense passes; each layer's reading alone)."""
+    layers = sorted({c.layer for c, i in zip(curves, alloc.choices) if i != DENSE})
+    alone = {layer: check(only_layer(alloc, curves, layer)) for layer in layers}
+    order = sorted(layers, key=lambda layer: (-alone[layer].misses, alone[layer].worst))
+    prefixes = [dense_layers(alloc, curves, set(order[:k]), lambda c: "") for k in range(len(order) + 1)]
+    found = search_target(prefixes, lambda a: check(a).misses, 0)
+    return (None if found.chosen is None else order[:found.chosen]), alone
+
+
 def hold_guard(path: list[Allocation], start: int, misses: Callable[[Allocation], int]) -> tuple[int | None, dict[int, int]]:
     """The cheapest path index >= start (the quality target's choice) at which a guard misses nothing — the
     retrieval guard (sparsesearch/tuning.py): answers dense gives that the point loses — its misses assumed
