@@ -601,7 +601,7 @@ def _calibrate(cfg: CalibrateConfig, progress: Progress, space, spread: Spread |
         guard = None
         if kind == "target_kl" and cfg.retrieval_guard:
             progress.stage(f"retrieval guard: {cfg.retrieval_guard} passkey prompts, dense")
-            guard = retrieval_guard(cfg, model, tokenizer, manifest, sliding, progress)
+            guard = retrieval_guard(cfg, model, tokenizer, manifest, sliding, progress, memo)
         request = TargetRequest(kind, value, cfg.allow_miss, "default" if cfg.defaulted else "given", cfg.data,
                                 tuning_record(cfg) if kind == "target_kl" else None)
         global_rows, target = allocate_target(request, work, len(samples), list(info.global_layers), space, kl_of, guard)

@@ -82,10 +82,13 @@ class TuningMemo:
     """What the targets of one ``calibrate --target-kl X --target-kl Y ...`` share: the dense run over the tuning
     prompts and each KL measured, by the allocation's rows. Every target probes the same per-layer KL model
     (one layer sparse at a time: 30 model runs for SmolLM2, ~6 minutes at 2K on two CPU cores) and often
-    measures the same path points; a second target measured them all again."""
+    measures the same path points; a second target measured them all again. The retrieval guard's dense run and readings are kept the same way:
+    the path move and the layer protection of one target, and the targets of a sweep, read many of the same points."""
 
     reference: object | None = None
     kl: dict[str, float] = field(default_factory=dict)
+    guard: tuple | None = None  # the retrieval guard's dense side: (samples, key steps, dense digit p, held, record)
+    keys: dict[str, KeyCheck] = field(default_factory=dict)  # each guard reading, by the allocation's rows
 
 
 def _rows_key(rows: list[dict]) -> str:
@@ -135,13 +138,40 @@ def guard_samples(cfg: "CalibrateConfig", tokenizer) -> list:
 
 
 def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_rows: list[dict],
-                    progress=None) -> tuple[Callable[[list[dict]], KeyCheck] | None, dict]:
+                    progress=None, memo: TuningMemo | None = None) -> tuple[Callable[[list[dict]], KeyCheck] | None, dict]:
     """check_of for ``allocate_target``: rows of the searched layers -> KeyCheck: how many guard prompts whose
     key dense retrieves (every digit its most likely token, teacher-forced) the model with ``fixed_rows`` + those
     rows loses (a digit below GUARD_KEEPS of its dense probability), and the lowest sparse / dense ratio of a held
     digit. Returns (check_of, the manifest's record); check_of is None when dense retrieves no key (nothing to
-    hold). One forward per held prompt, no generation, no KL."""
+    hold). One forward per held prompt, no generation, no KL; ``memo`` (a sweep's) keeps the dense side and
+    every reading across calls."""
     from .fidelity import answer_probs, as_artifact
+
+    memo = memo if memo is not None else TuningMemo()
+    if memo.guard is None:
+        memo.guard = _guard_dense(cfg, model, tokenizer)
+    samples, steps, dense, held, record = memo.guard
+    if not held:
+        return None, {**record, "held": None, "why": f"dense retrieves none of the {len(samples)} guard keys: nothing to hold"}
+
+    def check_of(rows: list[dict]) -> KeyCheck:
+        key = _rows_key(fixed_rows + rows)
+        if key in memo.keys:
+            return memo.keys[key]
+        if progress is not None:
+            progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
+        artifact = as_artifact(manifest, fixed_rows + rows)
+        ratio = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] / dense[i] for i in held}
+        memo.keys[key] = KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio.values()), min(float(r.min()) for r in ratio.values()))
+        return memo.keys[key]
+
+    return check_of, record
+
+
+def _guard_dense(cfg: "CalibrateConfig", model, tokenizer) -> tuple:
+    """The guard's dense side: (its prompts, each one's key steps, dense's probability of each key digit, the
+    indices of the prompts whose key dense retrieves, the manifest's record)."""
+    from .fidelity import answer_probs
 
     samples = guard_samples(cfg, tokenizer)
     steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
@@ -151,17 +181,7 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
     record = {"data": GUARD_DATA, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
               "dense_retrieves": len(held), "rule": f"held: every digit dense's most likely token; lost: a digit below "
               f"{GUARD_KEEPS} x its dense p (teacher-forced)", "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in dense]}
-    if not held:
-        return None, {**record, "held": None, "why": f"dense retrieves none of the {len(samples)} guard keys: nothing to hold"}
-
-    def check_of(rows: list[dict]) -> KeyCheck:
-        if progress is not None:
-            progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
-        artifact = as_artifact(manifest, fixed_rows + rows)
-        ratio = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] / dense[i] for i in held}
-        return KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio.values()), min(float(r.min()) for r in ratio.values()))
-
-    return check_of, record
+    return samples, steps, dense, held, record
 
 
 def key_steps(tokenizer, answer_ids) -> list[int]:

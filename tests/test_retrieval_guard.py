@@ -90,7 +90,7 @@ def test_calibrate_moves_the_kl_choice_until_the_guard_holds(tmp_path, monkeypat
     import sparsesearch.calibrate as cal
     from test_calibrate import SPACE
 
-    def fake_guard(cfg, model, tokenizer, manifest, fixed_rows, progress=None):
+    def fake_guard(cfg, model, tokenizer, manifest, fixed_rows, progress=None, memo=None):
         def check_of(rows):
             lost = int(sum(r["density"] for r in rows) / len(rows) < 0.6)
             return KeyCheck(lost, 0.2 if lost else 0.9)
@@ -251,3 +251,29 @@ def test_protect_retrieval_holds_where_moving_up_the_path_cannot():
     assert check(held).misses == 0 and kl(held) <= target
     assert moved is None, "layer 2 is the path's last to go dense: no sparse point of the path holds"
     assert prot.record["cost"] == round(held.cost_fraction(curves), 6) and prot.measured, "its KL was measured"
+
+
+def test_a_sweeps_memo_runs_the_guards_dense_side_and_each_reading_once(tmp_path, monkeypatch):
+    """Targets of one sweep share a TuningMemo: the second guard runs no dense forward, and a reading of rows
+    already read (the path move and the layer protection meet the same points) runs no sparse forward."""
+    import sparsesearch.fidelity as fid
+    from sparsesearch.models import load_model
+    from sparsesearch.tuning import TuningMemo
+
+    model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
+    calls = []
+
+    def fake_answer_probs(model, sample, artifact=None, *, min_tokens=1024):
+        calls.append(artifact is not None)
+        return torch.full((sample.answer_ids.numel(),), 0.9), torch.ones(sample.answer_ids.numel(), dtype=torch.bool)
+
+    monkeypatch.setattr(fid, "answer_probs", fake_answer_probs)
+    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=2)
+    memo = TuningMemo()
+    first, record = retrieval_guard(cfg, model, tok, {}, [], memo=memo)
+    assert calls == [False, False] and record["dense_retrieves"] == 2
+    rows = [{"layer": 0, "density": 0.5}]
+    assert first(rows) == KeyCheck(0, pytest.approx(1.0)) and calls[2:] == [True, True]
+    calls.clear()
+    second, again = retrieval_guard(cfg, model, tok, {}, [], memo=memo)
+    assert again == record and second(rows) == first(rows) and calls == [], "nothing runs twice"

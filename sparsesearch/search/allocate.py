@@ -142,10 +142,11 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
                     f"{measured[len(path) - 2]:.3g}; only all-dense meets it")
         elif guard is not None:
             alloc, guard_record, guard_miss = hold_retrieval(path, found.chosen, guard, rows_of, curves)
-            if guard[0] is not None and (guard_miss or alloc is not path[found.chosen]):
+            check_of = guard[0]
+            if check_of is not None and (guard_miss or alloc is not path[found.chosen]):
                 # the KL's choice loses a key: keeping the layers that lose it dense may hold the guard cheaper
                 # than moving up the path (SmolLM2 8K, RESULTS Run 38: the move went from 0.13-0.55 to 0.67 of dense)
-                check = lambda a: guard[0](rows_of(a))
+                check = lambda a: check_of(rows_of(a))
                 prot = protect_retrieval(curves, model["sensitivity"], path[found.chosen], check, lambda a: kl_of(rows_of(a)), value)
                 guard_record["protect"] = prot.record
                 if prot.chosen is not None and (guard_miss or prot.path[prot.chosen].cost(curves) < alloc.cost(curves)):
@@ -222,9 +223,8 @@ def protect_retrieval(curves: list[HeadCurve], sensitivity: dict[int, float], st
     if not layers:  # None: only every layer dense holds; []: nothing to protect (the KL choice holds)
         return Protected([], [], {}, None, record)
     keep = set(layers)
-    lost = {layer: alone[layer] for layer in layers}
-    why = lambda c: (f"kept dense for retrieval: with only layer {c.layer}'s heads sparse the model loses {lost[c.layer].misses} passkey "
-                     f"key(s) dense retrieves (weakest digit at {lost[c.layer].worst:.2g} of its dense probability)")
+    why = lambda c: (f"kept dense for retrieval: with only layer {c.layer}'s heads sparse the model loses {alone[c.layer].misses} passkey "
+                     f"key(s) dense retrieves (weakest digit at {alone[c.layer].worst:.2g} of its dense probability)")
     rest = [c for c in curves if c.layer not in keep]
     sub, predicted = frontier_kl_path(rest, sensitivity)
     at = {(c.layer, c.head): k for k, c in enumerate(curves)}
