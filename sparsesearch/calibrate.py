@@ -264,8 +264,8 @@ def search_layer(cfg: CalibrateConfig, work: Path, si: int, layer: int, q, k, v,
         scored, budget, t = score_layer(q, k, v, space, costs, head_space=cfg.head_space, modality=present[0],
                                         frame_stride=frame_stride, scale=scale, prune=_prunes(cfg))
         dense = dense_cost(q, k, v, space, costs, cfg.head_space, scale)
-        mix = mix_cost(q, k, v, costs, cfg.head_space, scale)
-        write_state(scope_path(work, si, layer, GLOBAL), scores_to_json(scored, budget, t, dense, mix))
+        mix, split = (price(q, k, v, costs, cfg.head_space, scale) for price in (mix_cost, split_cost))
+        write_state(scope_path(work, si, layer, GLOBAL), scores_to_json(scored, budget, t, dense, mix, split))
         return
     cached = {scope: ScopeResult(*scores_from_json(json.loads(path.read_text())))
               for scope, path in scope_files(work, si, layer).items()}
@@ -345,6 +345,14 @@ def mix_cost(q, k, v, costs, head_space: str, scale: float | None) -> float:
     if not isinstance(costs, MeasuredCost):
         return 0.0
     return costs.mix_ms(q, k, v, head_space, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+
+def split_cost(q, k, v, costs, head_space: str, scale: float | None) -> float:
+    """What the layer pays (ms) for each sparse launch past its first (heads on different candidates run apart):
+    measured on a GPU (``MeasuredCost.split_ms``); 0 under the analytic model, which has no launches."""
+    if not isinstance(costs, MeasuredCost):
+        return 0.0
+    return costs.split_ms(q, k, v, head_space, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
 
 
 def _assemble_layer(work: Path, layer: int, n_samples: int, space, objective: str, total: Timings,

@@ -245,6 +245,19 @@ def test_a_layers_mix_price_travels_through_the_work_files(tiny_model, space_fil
     assert _mixed_layers(priced.path) == []
 
 
+def test_a_layers_launch_price_travels_through_the_work_files(tiny_model, space_file, tmp_path, monkeypatch):
+    # a GPU's price per launch past a layer's first (MeasuredCost.split_ms) is saved per layer and read back into
+    # every head's curve beside the mixing price (the allocation's use of it: tests/test_frontier.py, test_targets.py)
+    from sparsesearch.search.allocate import layer_curves
+
+    monkeypatch.setattr("sparsesearch.calibrate.split_cost", lambda *a: 2.5)
+    monkeypatch.setattr("sparsesearch.calibrate.mix_cost", lambda *a: 1.5)
+    calibrate(_cfg(tiny_model, tmp_path / "priced", space_file, latency_budget=0.5, allow_miss=True, head_space="query",
+                   search_dir=tmp_path / "search"))
+    _, curves = layer_curves(tmp_path / "search", 0, 1)
+    assert {(c.mix_cost, c.split_cost) for c in curves} == {(1.5, 2.5)}
+
+
 def test_evaluate_compares_several_artifacts_with_one_dense_run(tiny_model, space_file, tmp_path, monkeypatch):
     import sparsesearch.fidelity as fidelity
 

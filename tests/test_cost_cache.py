@@ -252,3 +252,29 @@ def test_a_launch_is_timed_once_learned_by_the_table_and_a_dynamic_build_timed_l
     dynamic = block_topk.build_index(block_topk.BlockTopKParams(k_blocks=2), q, torch.zeros(1, 2, 512, 16), block_m=64, block_n=64)
     assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 9.0, build=build).tolist() == [0.375, 0.375]
     assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 0.001).tolist() == pytest.approx([0.75, 0.75])  # 0.5 + 1 ms wall
+
+
+def test_launch_price_is_the_split_launches_time_over_one_launch(tmp_path, monkeypatch):
+    # one A-shape launch over the 4 heads (2.0), then one launch per head (5.0 in all): 3 launches more cost 3.0,
+    # so each launch past a layer's first costs 1.0
+    from sparsesearch.calibrate import split_cost
+    from sparsesearch.search.cost import AnalyticCost
+
+    times = iter([2.0, 5.0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
+    monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (run(), next(times))[1])  # runs each call on the CPU
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = _layer()
+    assert split_cost(q, k, v, costs, "query", None) == pytest.approx(1.0)
+    timed = costs.timed
+    assert split_cost(q, k, v, costs, "query", None) == pytest.approx(1.0) and costs.timed == timed  # cached per shape
+    assert split_cost(q, k, v, costs, "kv", None) == 0.0  # one KV head: one launch
+    assert split_cost(q, k, v, AnalyticCost(), "query", None) == 0.0  # the analytic model has no launches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the runtime's launches on a GPU")
+def test_measured_launch_price_on_a_gpu(tmp_path):
+    costs = MeasuredCost(cache_path=tmp_path / "c.json")
+    q, k, v = (t.half() for t in _layer(n=4096, device="cuda"))
+    split = costs.split_ms(q, k, v, "query", 0.125)
+    assert 0 <= split < 50 and costs.split_ms(q, k, v, "query", 0.125) == split

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from sparsesearch.search.frontier import exact_frontier, frontier_kl_path, pareto_indices
-from sparsesearch.search.targets import DENSE, HeadCurve, lagrangian_path, search_target
+from sparsesearch.search.targets import DENSE, Allocation, HeadCurve, lagrangian_path, search_target
 
 
 def _error(curves, choices) -> float:
@@ -19,8 +20,6 @@ def _error(curves, choices) -> float:
 def _brute(curves) -> list[tuple[float, float]]:
     """Every allocation's (cost, error), reduced to the strictly-falling frontier by rising cost."""
     options = [c.usable() + [DENSE] for c in curves]
-    from sparsesearch.search.targets import Allocation
-
     points = sorted((Allocation(list(ch)).cost(curves), _error(curves, ch)) for ch in itertools.product(*options))
     out = []
     for cost, err in points:
@@ -29,24 +28,42 @@ def _brute(curves) -> list[tuple[float, float]]:
     return out
 
 
-def _random_curves(rng: random.Random, layers=3, heads=2, candidates=3) -> list[HeadCurve]:
+def _random_curves(rng: random.Random, layers=3, heads=2, candidates=3, split=False) -> list[HeadCurve]:
     curves = []
     for layer in range(layers):
         mix = rng.choice([0.0, rng.uniform(0.5, 3.0)])
+        per_launch = rng.choice([0.0, rng.uniform(0.3, 2.0)]) if split else 0.0
         for head in range(heads):
             cost = tuple(rng.uniform(0.5, 9.5) for _ in range(candidates))
             error = tuple(rng.uniform(0.0, 0.6) for _ in range(candidates))
-            curves.append(HeadCurve(layer, head, cost, error, 10.0, mix_cost=mix))
+            curves.append(HeadCurve(layer, head, cost, error, 10.0, mix_cost=mix, split_cost=per_launch))
     return curves
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_exact_frontier_is_the_brute_force_frontier(seed):
-    curves = _random_curves(random.Random(seed))
+@pytest.mark.parametrize("seed, launches", [(s, False) for s in range(12)] + [(100 + s, True) for s in range(8)])
+def test_exact_frontier_is_the_brute_force_frontier(seed, launches):
+    # with launch prices (split_cost) exact up to two heads a layer (frontier.layer_frontier)
+    kw = dict(heads=2, candidates=4, split=True) if launches else {}
+    curves = _random_curves(random.Random(seed), **kw)
     got = [(a.cost(curves), _error(curves, a.choices)) for a in exact_frontier(curves, bins=10**7)]
     want = _brute(curves)
     assert len(got) == len(want)
     assert [x for p in got for x in p] == pytest.approx([x for p in want for x in p])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_launch_prices_every_one_launch_layer_is_held_past_two_heads(seed):
+    # one layer of 4 heads: every allocation whose heads run as one launch is on the frontier or beaten by a point
+    # of it
+    curves = _random_curves(random.Random(200 + seed), layers=1, heads=4, candidates=4, split=True)
+    got = [(a.cost(curves), _error(curves, a.choices), a.choices) for a in exact_frontier(curves, bins=10**7)]
+    options = [c.usable() + [DENSE] for c in curves]
+    one_launch = [ch for ch in itertools.product(*options) if len(set(ch) - {DENSE}) <= 1]
+    for ch in one_launch:
+        cost, err = Allocation(list(ch)).cost(curves), _error(curves, ch)
+        assert any(c <= cost + 1e-9 and e <= err + 1e-12 for c, e, _ in got), ch
+    # the frontier's points run in rising cost and falling error at their true prices
+    assert [c for c, _, _ in got] == sorted(c for c, _, _ in got) and [e for _, e, _ in got] == sorted((e for _, e, _ in got), reverse=True)
 
 
 def test_coarse_buckets_stay_within_one_bucket_per_layer_of_every_frontier_point():
@@ -58,6 +75,18 @@ def test_coarse_buckets_stay_within_one_bucket_per_layer_of_every_frontier_point
     for cost, err in _brute(curves):
         # some kept point is at most one bucket dearer per layer and no worse
         assert any(c <= cost + 3 * step + 1e-9 and e <= err + 1e-12 for c, e in got)
+
+
+def test_a_layer_on_one_candidate_beats_cheaper_looking_shares_that_need_several_launches():
+    # per-head shares say heads on candidates 0 and 1 cost 2 + 2; run as two launches they cost 2 + 2 + 3 = 7,
+    # more than both heads on candidate 2 (3 + 3, one launch) at a lower error
+    curves = [HeadCurve(0, h, (2.0, 2.0, 3.0) if h == 0 else (9.0, 2.0, 3.0), (0.2, 0.3, 0.1) if h == 0 else (0.3, 0.2, 0.1),
+                        10.0, split_cost=3.0) for h in (0, 1)]
+    points = {tuple(a.choices): a.cost(curves) for a in exact_frontier(curves, bins=10**6)}
+    assert (0, 1) not in points and points[(2, 2)] == pytest.approx(6.0)
+    assert Allocation([0, 1]).cost(curves) == pytest.approx(7.0)
+    free = [replace(c, split_cost=0.0) for c in curves]  # without the price the split layer is the frontier's cheapest
+    assert (0, 1) in {tuple(a.choices) for a in exact_frontier(free, bins=10**6)}
 
 
 def test_the_frontier_holds_what_the_hull_skips():

@@ -9,7 +9,7 @@ import pytest
 
 from sparsesearch.search.targets import (
     DENSE, Allocation, HeadCurve, budget_allocation, cap_allocation, check_target, kl_model_curves, kl_model_path,
-    kl_sensitivity, lagrangian_path, mix_costs, only_layer, predicted_kl, probe_allocation, search_target,
+    kl_sensitivity, lagrangian_path, layer_extras, only_layer, predicted_kl, probe_allocation, search_target,
 )
 
 # Head (0, 0): a good cheap candidate; head (1, 0): only a poor one; head (1, 1): one pruned (inf) and
@@ -162,14 +162,14 @@ MIXED = [
 def brute_force_mixed(curves, lam):
     """Min over every joint choice of the heads' cost + lam * dense_cost * error plus each mixed layer's mix_cost."""
     options = [[DENSE] + c.usable() for c in curves]
-    score = lambda picks: sum(c.cost_of(i) + lam * c.dense_cost * c.error_of(i) for c, i in zip(curves, picks)) + mix_costs(curves, picks)
+    score = lambda picks: sum(c.cost_of(i) + lam * c.dense_cost * c.error_of(i) for c, i in zip(curves, picks)) + layer_extras(curves, picks)
     return min(score(p) for p in itertools.product(*options)), score
 
 
 def test_a_mixed_layer_pays_its_mix_cost_once():
-    assert mix_costs(MIXED, [0, DENSE, 0, 0]) == 3.0
-    assert mix_costs(MIXED, [0, DENSE, 0, DENSE]) == 6.0
-    assert mix_costs(MIXED, [DENSE, DENSE, 0, 0]) == mix_costs(MIXED, [0, 0, 0, 0]) == 0.0
+    assert layer_extras(MIXED, [0, DENSE, 0, 0]) == 3.0
+    assert layer_extras(MIXED, [0, DENSE, 0, DENSE]) == 6.0
+    assert layer_extras(MIXED, [DENSE, DENSE, 0, 0]) == layer_extras(MIXED, [0, 0, 0, 0]) == 0.0
     assert Allocation([0, DENSE, 0, 0]).cost(MIXED) == 9.0 + 10.0 + 1.0 + 1.0 + 3.0
     # without a mix cost, the same allocation costs its heads only (a CPU's analytic costs)
     free = [HeadCurve(c.layer, c.head, c.cost, c.error, c.dense_cost) for c in MIXED]
@@ -180,9 +180,22 @@ def test_a_mixed_layer_pays_its_mix_cost_once():
 MIX_PAYS = [HeadCurve(0, 0, cost=(8.0, 6.0), error=(0.02, 0.01), dense_cost=10.0, mix_cost=3.0)] + MIXED[1:]
 
 
-@pytest.mark.parametrize("curves", [MIXED, MIX_PAYS], ids=["mixing never pays", "mixing pays"])
+# Layer 0's heads run as one launch on candidate 1 (2 + 2) or as two on candidates 0 and 1 (2 + 2 + 3 more for
+# the second launch); candidate 2 is the low-error one both share. Layer 1 as in MIXED.
+SPLIT = [HeadCurve(0, h, (2.0, 2.0, 3.0) if h == 0 else (9.0, 2.0, 3.0), (0.2, 0.3, 0.1) if h == 0 else (0.3, 0.2, 0.1),
+                   10.0, split_cost=3.0) for h in (0, 1)] + MIXED[2:]
+
+
+def test_a_layer_pays_for_each_launch_past_its_first():
+    assert layer_extras(SPLIT, [0, 1, 0, 0]) == 3.0 and layer_extras(SPLIT, [1, 1, 0, 0]) == 0.0
+    assert layer_extras(SPLIT, [0, DENSE, 0, 0]) == 0.0  # one launch, and this layer has no mix_cost
+    assert Allocation([0, 1, DENSE, DENSE]).cost(SPLIT) == 2.0 + 2.0 + 3.0 + 20.0
+    assert lagrangian_path(SPLIT)[0].choices[:2] == [1, 1]  # lam 0: the cheapest layer is one launch, not the own picks
+
+
+@pytest.mark.parametrize("curves", [MIXED, MIX_PAYS, SPLIT], ids=["mixing never pays", "mixing pays", "launches priced"])
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0, 2.3, 4.0, 8.0, 12.0, 20.0, 60.0, 200.0])
-def test_the_path_with_mix_costs_holds_the_optimum_and_cost_rises(curves, lam):
+def test_the_path_with_layer_extras_holds_the_optimum_and_cost_rises(curves, lam):
     path = lagrangian_path(curves)
     costs = [a.cost(curves) for a in path]
     assert costs == sorted(costs)
@@ -199,7 +212,7 @@ def test_no_layer_mixes_where_mixing_costs_more_than_it_saves():
             assert len(kinds) == 1, (a.lam, a.choices)  # every head of a layer sparse, or every head dense
     # where head (0, 0) would be sparse alone, the reason says its layer is dense because of mixing
     reasons = [a.reasons[(0, 0)] for a in lagrangian_path(MIXED) if (0, 0) in a.reasons]
-    assert any("mixing sparse and dense heads costs the layer 3 ms more" in r for r in reasons)
+    assert any("mixing sparse and dense heads 3 ms" in r for r in reasons)
 
 
 def test_a_layer_mixes_where_mixing_pays():
@@ -210,7 +223,7 @@ def test_a_layer_mixes_where_mixing_pays():
 def test_the_cap_makes_a_mixed_layer_dense_when_mixing_costs_more_than_it_saves():
     # (0, 0) is within the cap at 8.0 of 10.0, (0, 1) is not: mixed, layer 0 costs 8 + 10 + 3 >= 20 dense
     a = cap_allocation(MIXED, 0.05)
-    assert a.choices[:2] == [DENSE, DENSE] and "mixing sparse and dense heads costs the layer 3 ms more" in a.reasons[(0, 0)]
+    assert a.choices[:2] == [DENSE, DENSE] and "cost the layer 3 ms more than their shares" in a.reasons[(0, 0)]
     assert a.choices[2:] == [DENSE, DENSE]  # layer 1's candidates miss the cap anyway
     # with a mix the saving pays for ((0, 0) at 6.0: 6 + 10 + 3 < 20), the head stays sparse
     assert cap_allocation(MIX_PAYS, 0.05).choices[:2] == [1, DENSE]

@@ -54,10 +54,10 @@ def layer_curves(work: Path, layer: int, n_samples: int) -> tuple[list[Scored], 
         raise ValueError(f"layer {layer}: the saved scores predate quality targets (no dense cost); drop --resume to search again")
     scored = mean_scored([scores_from_json(d)[0] for d in data])
     dense = torch.tensor([d["dense_cost_ms"] for d in data], dtype=torch.float64).mean(0)
-    # a layer's mixing price (search/targets.py); searches kept from before it was measured have none: 0
-    mix = sum(float(d.get("mix_cost_ms", 0.0)) for d in data) / max(1, len(data))
+    # a layer's mixing and launch prices (search/targets.py); searches kept from before they were measured have none: 0
+    mix, split = (sum(float(d.get(name, 0.0)) for d in data) / max(1, len(data)) for name in ("mix_cost_ms", "split_cost_ms"))
     curves = [HeadCurve(layer, h, tuple(float(s.cost_ms[h]) for s in scored), tuple(float(s.error[h]) for s in scored),
-                        float(dense[h]), tuple(s.candidate.key for s in scored), mix) for h in range(dense.numel())]
+                        float(dense[h]), tuple(s.candidate.key for s in scored), mix, split) for h in range(dense.numel())]
     return scored, curves
 
 
@@ -170,7 +170,7 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
         # given by the user, or the command line's default (--space-budget searches the space's budget instead)
         "source": req.source, "allow_miss": req.allow_miss, "missed": miss,
         "allocation": {"max_output_error": "per-head cap", "latency_budget": "lagrangian path (cost + lam x dense cost x error per head)",
-                       "target_kl": "exact frontier of a measured KL model (cost vs sum of a_layer x error^2 per head, mixing priced; "
+                       "target_kl": "exact frontier of a measured KL model (cost vs sum of a_layer x error^2 per head, mixing and each launch past a layer's first priced; "
                                     "the Lagrangian path's points and those between them)"}[kind],
         **({"kl_model": model["record"]} if model else {}),
         **({"retrieval_guard": guard_record} if guard_record is not None else {}),

@@ -329,8 +329,7 @@ class MeasuredCost:
         key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|mix"
         if key not in self._cache:
             n, group = q.shape[2], q.shape[1] // k.shape[1]
-            out = torch.empty(1, n, q.shape[1], q.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            out, lse = _out_buffers(q)
             g_all = HeadGroup("ashape", AShapeParams(sink=64, local=512), tuple(range(heads)), 64, 64)
             g_one = HeadGroup("ashape", g_all.params, (0,), 64, 64)
             index_all, index_one = (static_index(g, n, n, head_space, q.device) for g in (g_all, g_one))
@@ -348,6 +347,42 @@ class MeasuredCost:
             self._dirty = True
         return self._cache[key]
 
+    def split_ms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_space: str, scale: float) -> float:
+        """ms a layer pays for each sparse launch past its first: one launch per head of the head space minus one
+        launch over them all, over (H - 1), at >= 0. q [1, Hq, N, D], k/v [1, Hkv, N, D]; 0 where the head space
+        has one head.
+
+        A candidate's price is its launch over every head divided among them, but the runtime runs heads on
+        different candidates as separate launches (runtime/plan.py groups), each with its own fixed price and a
+        grid of fewer programs: per-head shares priced Gemma 3's layer 11 at 16K, on three A-shape windows, at
+        0.75 ms where it ran 0.96 and SDPA takes 0.92 (RESULTS Run 39). One A-shape at a quarter of the length
+        stands for every candidate: wide enough that the grid's tail counts, not only the launch."""
+        from ..execute import HeadGroup, device_ids, sparse_attend, static_index
+        from ..patterns.ashape import AShapeParams
+
+        heads = k.shape[1] if head_space == "kv" else q.shape[1]
+        if heads < 2:
+            return 0.0
+        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|split"
+        if key not in self._cache:
+            n = q.shape[2]
+            out, lse = _out_buffers(q)
+            params = AShapeParams(sink=64, local=max(64, n // 4 // 64 * 64))
+            groups = [HeadGroup("ashape", params, tuple(range(heads)), 64, 64)]
+            groups += [HeadGroup("ashape", params, (h,), 64, 64) for h in range(heads)]
+            launches = [(static_index(g, n, n, head_space, q.device), device_ids(g.heads, q.device, torch.int32)) for g in groups]
+            run = lambda index, ids: sparse_attend(q, k, v, index, scale, ids, out, lse)
+
+            def apart() -> None:
+                for index, ids in launches[1:]:
+                    run(index, ids)
+
+            together = self._time(lambda: run(*launches[0]))
+            self._cache[key] = max(0.0, (self._time(apart) - together) / (heads - 1))
+            self.timed += 1
+            self._dirty = True
+        return self._cache[key]
+
     def _time(self, run: Callable[[], None]) -> float:
         """ms of GPU time one call of ``run`` launches (``kernel_ms``, over ``reps`` calls after one warm-up, which
         compiles on first use): the quantity ``sparsesearch pareto`` judges points by. CUDA events around each call
@@ -356,6 +391,13 @@ class MeasuredCost:
         head cost 0.32 of dense (RESULTS Run 37). Events only where the profiler sees no device time."""
         ms = kernel_ms(run, reps=self.reps, warmup=1)
         return ms if ms > 0 else _event_ms(run, self.reps)
+
+
+def _out_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output [1, Hq, N, D] laid out as the model's [1, N, Hq, D] (what the runtime writes into) and an lse
+    [1, Hq, N] float32, for timing launches that write them."""
+    out = torch.empty(1, q.shape[2], q.shape[1], q.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    return out, torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
 
 
 def _event_ms(run: Callable[[], None], reps: int) -> float:

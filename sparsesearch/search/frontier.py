@@ -9,7 +9,8 @@ to layers 11 and 17 sparse (0.73, 0.021), skipping layer 17 alone on narrower wi
 
 ``exact_frontier`` finds every allocation on the frontier, as a multiple-choice knapsack by dynamic programming:
 - per layer, the frontier of its heads' joint choices (candidates and dense), kept apart by regime (all sparse,
-  all dense, mixed) until the layer's mix_cost is added to the mixed one;
+  all dense, mixed) until the layer's mix_cost is added to the mixed one (and, where the layer pays per launch,
+  by how many candidates it launches: ``layer_frontier``);
 - across layers, the running frontier combined with each layer's, pruned after every layer.
 Costs are bucketed at ``BINS`` per all-dense cost (one allocation per bucket, the lowest error): the frontier has at
 most that many points, and a point is at most 1/BINS of dense cost from the exact one.
@@ -55,20 +56,43 @@ def _choices(point: int, layers: list[list[int]], options: list[list[tuple]], ba
 
 
 def layer_frontier(layer: list[HeadCurve], step: float) -> list[tuple[float, float, tuple[int, ...]]]:
-    """(cost, error sum, choice per head) on one layer's frontier, mix_cost included where heads mix."""
-    states: dict[tuple[bool, bool], list[tuple]] = {(False, False): [(0.0, 0.0, ())]}  # (any sparse, any dense)
-    for c in layer:
-        opts = [(c.cost[i], c.error[i], i) for i in c.usable()] + [(c.dense_cost, 0.0, DENSE)]
-        grown: dict[tuple[bool, bool], list[tuple]] = {}
-        for (sparse, dense), points in states.items():
-            for o_cost, o_err, i in opts:
-                key = (sparse or i != DENSE, dense or i == DENSE)
-                grown.setdefault(key, []).extend((p_cost + o_cost, p_err + o_err, p + (i,)) for p_cost, p_err, p in points)
+    """(cost, error sum, choice per head) on one layer's frontier, mix_cost included where heads mix and
+    split_cost for each sparse candidate past the first (each its own launch: targets.layer_extra).
+
+    Without a split_cost this is exact. With one, keeping every set of launches apart grows combinatorially
+    (Gemma 3's 3 layers of 4 heads on 60 candidates: 126 s, against 0.02 s without), so partial layers are kept
+    apart by how many launches they run, and each candidate's one-launch layers (every head on it or dense) are
+    added whole; every point is priced exactly. Exact for layers of up to two heads (a partial point pruned for
+    a cheaper, better one on another candidate loses to it again, or ends on its own candidate alone, which the
+    one-launch layers hold); past two heads a split layer may be missed, never a one-launch one."""
+    if layer[0].split_cost <= 0:
+        points = _joint_points(layer, [[*c.usable(), DENSE] for c in layer], step)
+    else:
+        points = _joint_points(layer, [[*c.usable(), DENSE] for c in layer], step, by_launches=True)
+        for i in set().union(*(c.usable() for c in layer)):
+            points += _joint_points(layer, [[i, DENSE] if i in c.usable() else [DENSE] for c in layer], step)
+    return _pareto_list(points, step)
+
+
+def _joint_points(layer: list[HeadCurve], options: list[list[int]], step: float, by_launches: bool = False) -> list[tuple]:
+    """The (cost, error sum, picks) frontier of the layer's heads over ``options`` (choice indices per head),
+    extras included (targets.layer_extra): partial layers kept apart by (any sparse, any dense) and, with
+    ``by_launches``, by the number of candidates launched so far, each point paying split_cost as it adds one."""
+    split = layer[0].split_cost
+    states: dict[tuple, list[tuple]] = {(False, False, 0): [(0.0, 0.0, ())]}
+    for c, opts in zip(layer, options):
+        grown: dict[tuple, list[tuple]] = {}
+        for (sparse, dense, launches), points in states.items():
+            for i in opts:
+                o_cost, o_err = c.cost_of(i), c.error_of(i)
+                for p_cost, p_err, p in points:
+                    new = i != DENSE and i not in p
+                    key = (sparse or i != DENSE, dense or i == DENSE, launches + new if by_launches else 0)
+                    grown.setdefault(key, []).append((p_cost + o_cost + (split if new and sparse else 0.0), p_err + o_err, p + (i,)))
         states = {key: _pareto_list(points, step) for key, points in grown.items()}
     mix = layer[0].mix_cost
-    merged = [(p_cost + (mix if sparse and dense else 0.0), p_err, p) for (sparse, dense), points in states.items()
-              for p_cost, p_err, p in points]
-    return _pareto_list(merged, step)
+    return [(p_cost + (mix if sparse and dense else 0.0), p_err, p) for (sparse, dense, _), points in states.items()
+            for p_cost, p_err, p in points]
 
 
 def _pareto_list(points: list[tuple], step: float) -> list[tuple]:

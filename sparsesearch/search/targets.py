@@ -33,7 +33,7 @@ Everything here is plain data (floats and lists): the caller converts the search
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 DENSE = -1  # the choice index of dense in an allocation
@@ -44,7 +44,12 @@ KINDS = ("target_kl", "max_output_error", "latency_budget")
 class HeadCurve:
     """One head's options: candidate i has cost[i] (ms) and error[i] (relative output error; inf when the
     search pruned it); dense costs dense_cost with error 0. names[i] labels candidate i in reports. mix_cost:
-    what the head's layer pays once (ms) when its heads mix sparse and dense, the same on each of its heads."""
+    what the head's layer pays once (ms) when its heads mix sparse and dense, the same on each of its heads.
+    split_cost: what the layer pays (ms) for each sparse launch past its first. A candidate's cost[i] is its
+    launch over every head of the layer divided among them, but heads on different candidates run as separate
+    launches (runtime/plan.py: one group per pattern and parameter set), each with its own fixed price and a
+    smaller grid: Gemma 3's layer 11 at 16K on three A-shape windows ran 0.96 ms where the shares said 0.75
+    and SDPA takes 0.92 (RESULTS Run 39)."""
 
     layer: int
     head: int
@@ -53,6 +58,7 @@ class HeadCurve:
     dense_cost: float
     names: tuple[str, ...] = ()
     mix_cost: float = 0.0
+    split_cost: float = 0.0
 
     def usable(self) -> list[int]:
         """Candidates worth a look: measured (finite error) and cheaper than dense (a sparse candidate that
@@ -76,8 +82,8 @@ class Allocation:
     reasons: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def cost(self, curves: list[HeadCurve]) -> float:
-        """The heads' costs plus each mixed layer's mix_cost (HeadCurve)."""
-        return sum(c.cost_of(i) for c, i in zip(curves, self.choices)) + mix_costs(curves, self.choices)
+        """The heads' costs plus what each layer pays beyond them (``layer_extras``: mix_cost, split_cost)."""
+        return sum(c.cost_of(i) for c, i in zip(curves, self.choices)) + layer_extras(curves, self.choices)
 
     def cost_fraction(self, curves: list[HeadCurve]) -> float:
         """Total cost over the all-dense cost: float in (0, 1]."""
@@ -112,19 +118,19 @@ def cap_allocation(curves: list[HeadCurve], max_error: float) -> Allocation:
 
 
 def _unmix_dearer_layers(curves: list[HeadCurve], alloc: Allocation) -> Allocation:
-    """``alloc`` with every mixed layer that costs at least all-dense (its heads plus its mix_cost) made dense:
-    cheaper and error-free, so better under any cap."""
+    """``alloc`` with every sparse layer that costs at least all-dense (its heads plus ``layer_extra``) made
+    dense: cheaper and error-free, so better under any cap."""
     for ks in _by_layer(curves):
-        picks = [alloc.choices[k] for k in ks]
-        if len({i == DENSE for i in picks}) < 2:
+        layer, picks = [curves[k] for k in ks], [alloc.choices[k] for k in ks]
+        extra = layer_extra(layer, picks)
+        if extra <= 0:
             continue
-        mixed = sum(curves[k].cost_of(i) for k, i in zip(ks, picks)) + curves[ks[0]].mix_cost
-        if mixed >= sum(curves[k].dense_cost for k in ks):
+        if sum(c.cost_of(i) for c, i in zip(layer, picks)) + extra >= sum(c.dense_cost for c in layer):
             for k in ks:
                 if alloc.choices[k] != DENSE:
                     c = curves[k]
-                    alloc.reasons[(c.layer, c.head)] = (f"its layer runs dense: mixing sparse and dense heads costs the layer "
-                                                        f"{c.mix_cost:.3g} ms more, more than its sparse heads save")
+                    alloc.reasons[(c.layer, c.head)] = (f"its layer runs dense: its heads' launches cost the layer "
+                                                        f"{extra:.3g} ms more than their shares, more than its sparse heads save")
                 alloc.choices[k] = DENSE
     return alloc
 
@@ -147,13 +153,17 @@ def _pick(c: HeadCurve, lam: float) -> int:
     return best
 
 
-def mix_costs(curves: list[HeadCurve], choices: list[int]) -> float:
-    """Sum of mix_cost over the layers whose heads are part dense, part sparse under ``choices``."""
-    kinds: dict[int, set[bool]] = {}
-    for c, i in zip(curves, choices):
-        kinds.setdefault(c.layer, set()).add(i == DENSE)
-    mix = {c.layer: c.mix_cost for c in curves}
-    return sum(mix[layer] for layer, k in kinds.items() if len(k) == 2)
+def layer_extra(layer: list[HeadCurve], picks) -> float:
+    """What one layer pays (ms) beyond its heads' prices under ``picks`` (one per head of ``layer``): mix_cost
+    when its heads are part dense, part sparse, and split_cost per distinct sparse candidate past the first."""
+    sparse = {i for i in picks if i != DENSE}
+    mixed = bool(sparse) and DENSE in picks
+    return (layer[0].mix_cost if mixed else 0.0) + layer[0].split_cost * max(0, len(sparse) - 1)
+
+
+def layer_extras(curves: list[HeadCurve], choices: list[int]) -> float:
+    """Sum of ``layer_extra`` over the layers of ``curves`` under ``choices``."""
+    return sum(layer_extra([curves[k] for k in ks], [choices[k] for k in ks]) for ks in _by_layer(curves))
 
 
 def _objective(c: HeadCurve, lam: float, i: int) -> float:
@@ -167,19 +177,24 @@ def _pick_sparse(c: HeadCurve, lam: float) -> int | None:
 
 
 def _pick_layer(layer: list[HeadCurve], lam: float) -> list[int]:
-    """One layer's picks at lam: each head's own (``_pick``) when they agree on dense or sparse, or when the layer
-    has no mix_cost; else the best of those plus mix_cost, every head dense, and every head sparse (when each
-    has a usable candidate). Exact: mix_cost is the same for every mixed assignment, so the heads' own picks
-    are the best mixed one."""
+    """One layer's picks at lam: each head's own (``_pick``) when the layer pays nothing beyond its heads for
+    them (``layer_extra``); else the best, extra included, of those, every head dense, every head its own
+    sparse pick, and per candidate every head on it or dense (one launch, no split). Exact when only mix_cost
+    is priced (it is the same for every mixed assignment, so the heads' own picks are the best mixed one); with
+    a split_cost the per-candidate options cover the one-launch layers, which the own picks split."""
     free = [_pick(c, lam) for c in layer]
-    if layer[0].mix_cost <= 0 or len({i == DENSE for i in free}) < 2:
+    if layer_extra(layer, free) <= 0:
         return free
-    total = lambda picks: sum(_objective(c, lam, i) for c, i in zip(layer, picks))
-    options = [(total(free) + layer[0].mix_cost, 1, free), (total([DENSE] * len(layer)), 2, [DENSE] * len(layer))]
+    total = lambda picks: sum(_objective(c, lam, i) for c, i in zip(layer, picks)) + layer_extra(layer, picks)
+    # (rank, picks): on equal totals every head sparse wins, then the own picks, then one launch, dense last
+    options = [(1, free), (math.inf, [DENSE] * len(layer))]
     sparse = [_pick_sparse(c, lam) for c in layer]
     if None not in sparse:
-        options.append((total(sparse), 0, sparse))
-    return min(options, key=lambda o: (o[0], o[1]))[2]
+        options.append((0, sparse))
+    if layer[0].split_cost > 0:
+        shared = set.intersection(*(set(c.usable()) for c in layer))
+        options += [(2 + i, [min((i, DENSE), key=lambda j: _objective(c, lam, j)) for c in layer]) for i in sorted(shared)]
+    return min(options, key=lambda o: (total(o[1]), o[0]))[1]
 
 
 def _by_layer(curves: list[HeadCurve]) -> list[list[int]]:
@@ -199,15 +214,15 @@ def _picks(curves: list[HeadCurve], lam: float) -> list[int]:
     return picks
 
 
-MIX_LAMS_PER_DECADE = 24  # lam samples between breakpoints where layers may switch regime (mix_cost > 0 only)
+MIX_LAMS_PER_DECADE = 24  # lam samples between breakpoints where layers may switch regime (mix_cost or split_cost > 0 only)
 
 
 def _lams(curves: list[HeadCurve]) -> list[float]:
     """The multipliers the path is evaluated just past: every head's breakpoints and, where some layer pays
-    a mix_cost, a geometric grid over their span (a layer changes regime between breakpoints too)."""
+    a mix_cost or a split_cost, a geometric grid over their span (a layer changes regime between breakpoints too)."""
     lams = {b for c in curves for b in _breakpoints(c)}
     positive = [b for b in lams if b > 0]
-    if positive and any(c.mix_cost > 0 for c in curves):
+    if positive and any(c.mix_cost > 0 or c.split_cost > 0 for c in curves):
         lo, hi = math.log10(min(positive)) - 1, math.log10(max(positive)) + 1
         steps = max(1, math.ceil((hi - lo) * MIX_LAMS_PER_DECADE))
         lams |= {10 ** (lo + (hi - lo) * j / steps) for j in range(steps + 1)}
@@ -244,10 +259,11 @@ def lagrangian_path(curves: list[HeadCurve]) -> list[Allocation]:
 
 
 def _why_dense(c: HeadCurve, lam: float, error: str) -> str:
-    """Why a head is dense at lam: its own trade, or its layer's (it would be sparse alone, but one sparse head
-    among dense ones costs the layer mix_cost more)."""
+    """Why a head is dense at lam: its own trade, or its layer's (it would be sparse alone, but its launch
+    among dense heads or beside other launches costs the layer mix_cost or split_cost more)."""
     if math.isfinite(lam) and _pick(c, lam) != DENSE:
-        return f"its layer runs dense: mixing sparse and dense heads costs the layer {c.mix_cost:.3g} ms more"
+        return (f"its layer runs dense: its own launch costs the layer more than its share (mixing sparse and dense heads "
+                f"{c.mix_cost:.3g} ms, each launch past the first {c.split_cost:.3g} ms)")
     return f"dense costs less than any sparse candidate's cost + {lam:.3g} x dense cost x {error}"
 
 
@@ -366,8 +382,7 @@ def kl_sensitivity(curves: list[HeadCurve], probe: Allocation, layer_kl: dict[in
 def kl_model_curves(curves: list[HeadCurve], sensitivity: dict[int, float]) -> list[HeadCurve]:
     """Curves whose error is each candidate's predicted KL share a_l * error^2 (same costs, same candidate
     indices): the Lagrangian path of these runs in order of predicted model KL."""
-    return [HeadCurve(c.layer, c.head, c.cost, tuple(sensitivity[c.layer] * e * e for e in c.error), c.dense_cost, c.names,
-                      c.mix_cost) for c in curves]
+    return [replace(c, error=tuple(sensitivity[c.layer] * e * e for e in c.error)) for c in curves]
 
 
 def kl_model_path(curves: list[HeadCurve], sensitivity: dict[int, float]) -> tuple[list[Allocation], list[float]]:

@@ -25,10 +25,11 @@ GLOBAL = scope_name(ALL_MODALITIES, ALL_MODALITIES)  # every row x every key: th
 
 
 def scores_to_json(scored: list[Scored], budget: torch.Tensor, timings: Timings, dense_cost: torch.Tensor | None = None,
-                   mix_cost: float = 0.0) -> dict:
+                   mix_cost: float = 0.0, split_cost: float = 0.0) -> dict:
     return {
         **({} if dense_cost is None else {"dense_cost_ms": dense_cost.tolist()}),
         **({"mix_cost_ms": mix_cost} if mix_cost > 0 else {}),
+        **({"split_cost_ms": split_cost} if split_cost > 0 else {}),
         "budget_ms": budget.tolist(),
         "timings": dataclasses.asdict(timings),
         "candidates": [
