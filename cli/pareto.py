@@ -33,6 +33,7 @@ def pareto(
     tokens: Annotated[int, typer.Option(help="Window length in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the held-out windows.")] = 0,
     triangle_start: Annotated[Optional[int], typer.Option(help="Probed TriangleMix start layer (default: an artifact's own, if any).")] = None,
+    keys: Annotated[int, typer.Option(help="Passkey prompts (held-out seeds, --tokens long) on which every point's key is read teacher-forced, as calibrate's retrieval guard reads it: a baseline that loses a key dense holds, where the searched curve holds them all, is judged 'loses keys'. One dense and one sparse forward per prompt and point. 0: off.")] = 4,
     out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto_layers.parquet, pareto.json and pareto.png.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.pareto.partial/).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a report already at --out.")] = False,
@@ -42,14 +43,15 @@ def pareto(
 ) -> None:
     """Quality (teacher-forced KL, perplexity, retrieval) against attention cost for searched artifacts
     and one-size baselines, through the same runtime and kernels, on the same held-out windows; says per
-    baseline point whether the searched curve beats it (KL <= 0.7x at equal cost, or cost <= 0.8x at equal KL).
+    baseline point whether the searched curve beats it (KL <= 0.7x at equal cost, or cost <= 0.8x at equal KL),
+    or whether it loses a passkey key dense holds that the searched curve keeps (--keys).
 
     Example: sparsesearch pareto --artifact artifacts/smollm2-135m --tokens 4096 --out artifacts/pareto-smollm2
     """
     from sparsesearch.pareto import ParetoConfig, pareto as run, preflight
 
     cfg = ParetoConfig(model=model, artifacts=list(artifact or []), baselines=_names(baselines), budgets=_floats(budgets, "--budgets"),
-                       data=data, samples=samples, tokens=tokens, seed=seed, triangle_start=triangle_start, out=out,
+                       data=data, samples=samples, tokens=tokens, seed=seed, triangle_start=triangle_start, keys=keys, out=out,
                        overwrite=overwrite, resume=resume, device=device, dtype=dtype)
     if out is not None:  # a report directory of its own: never an --artifact, the data or the model's files
         from sparsesearch import preflight as check
@@ -77,22 +79,36 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _note(v: dict | None) -> str:
+    """A verdict cell: the verdict, the KL rule's own where "loses keys" replaced it, and the KL ratio."""
+    if v is None:
+        return ""
+    by_kl = f"; KL {v['kl_verdict']}" if v["verdict"] != v.get("kl_verdict", v["verdict"]) else ""
+    return v["verdict"] + by_kl + ("" if v["kl_ratio"] is None else f" ({v['kl_ratio']:.2f}x KL)")
+
+
 def _render(report: dict) -> None:
     table = Table(title=f"{report['model']}: {report['samples']} x {report['tokens']} tokens of {report['data']}")
     # A hybrid model's sliding layers cost the same on both sides: its searchable layers' own fraction is shown too.
     hybrid = any(r.get("searchable_cost_fraction") not in (None, r["cost_fraction"]) for r in report["rows"])
+    read = any(r.get("keys_lost") is not None for r in report["rows"])  # the key check ran and dense holds a key
     columns = [("family", "left"), ("point", "left"), ("cost", "right")] + [("searchable layers", "right")] * hybrid
-    for name, justify in columns + [("KL", "right"), ("ppl", "right"), ("verdict", "left")]:
+    columns += [("KL", "right"), ("ppl", "right")] + [("keys lost", "right")] * read + [("verdict", "left")]
+    for name, justify in columns:
         table.add_column(name, justify=justify, overflow="fold")
     verdict = {(v["family"], v["label"]): v for v in report["verdicts"]}
     for r in sorted(report["rows"], key=lambda r: (r["family"] != "searched", r["family"], r["cost_fraction"])):
-        v = verdict.get((r["family"], r["label"]))
-        note = "" if v is None else v["verdict"] + ("" if v["kl_ratio"] is None else f" ({v['kl_ratio']:.2f}x KL)")
         searchable = [_fmt(r.get("searchable_cost_fraction"), ".1%")] * hybrid
-        table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), *searchable, _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"), note)
+        lost = [f"{_fmt(r.get('keys_lost'), 'd')}/{r.get('keys_held_dense')}"] * read
+        table.add_row(r["family"], r["label"], _fmt(r["cost_fraction"], ".1%"), *searchable, _fmt(r["kl"], ".4f"), _fmt(r["ppl_sparse"], ".2f"),
+                      *lost, _note(verdict.get((r["family"], r["label"]))))
     out_console.print(table)
     dense = next((r["ppl_dense"] for r in report["rows"] if r["ppl_dense"] is not None), None)
     out_console.print(report["summary"], highlight=False)
+    keys = report.get("keys")
+    if keys:
+        out_console.print(f"passkey keys: dense holds {keys['dense_retrieves']} of {keys['prompts']} held-out prompts of {keys['tokens']} tokens; "
+                          f"{keys['rule']}", highlight=False)
     out_console.print(f"cost: {report['cost_model']} attention time as a fraction of dense; dense perplexity {_fmt(dense, '.2f')}; "
                       f"{report['seconds']:.0f} s", highlight=False)
     for name, path in (report.get("files") or {}).items():

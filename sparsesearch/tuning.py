@@ -18,7 +18,8 @@
   answered prompt flip format under any sparse point and pushed all 11 targets of a sweep (0.4 .. 0.005) to one
   near-dense point (H200 Run 38). A key is held when every digit is dense's most likely token there (Gemma's
   weakest guard digit is 0.37 against 0.18 for the runner-up: retrieved, if not surely); it is lost when a digit
-  falls below GUARD_KEEPS of its dense probability.
+  falls below GUARD_KEEPS of its dense probability. The check itself (``dense_keys``, ``read_keys``) is shared
+  with ``sparsesearch pareto``, which reads every point's keys by the same rule.
 
 Everything is measured through the sparse runtime with ``VERIFY_MIN_TOKENS`` (the patterns' quality at every
 length, not the dense cut-off's); dense runs are made once per search and reused, and a ``--target-kl`` sweep's
@@ -30,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .search.targets import KeyCheck
 
@@ -145,7 +146,7 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
     digit. Returns (check_of, the manifest's record); check_of is None when dense retrieves no key (nothing to
     hold). One forward per held prompt, no generation, no KL; ``memo`` (a sweep's) keeps the dense side and
     every reading across calls."""
-    from .fidelity import answer_probs, as_artifact
+    from .fidelity import as_artifact
 
     memo = memo if memo is not None else TuningMemo()
     if memo.guard is None:
@@ -160,9 +161,7 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
             return memo.keys[key]
         if progress is not None:
             progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
-        artifact = as_artifact(manifest, fixed_rows + rows)
-        ratio = {i: answer_probs(model, samples[i], artifact, min_tokens=VERIFY_MIN_TOKENS)[0][steps[i]] / dense[i] for i in held}
-        memo.keys[key] = KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio.values()), min(float(r.min()) for r in ratio.values()))
+        memo.keys[key] = read_keys(model, DenseKeys(samples, steps, dense, held), as_artifact(manifest, fixed_rows + rows))
         return memo.keys[key]
 
     return check_of, record
@@ -171,17 +170,47 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
 def _guard_dense(cfg: "CalibrateConfig", model, tokenizer) -> tuple:
     """The guard's dense side: (its prompts, each one's key steps, dense's probability of each key digit, the
     indices of the prompts whose key dense retrieves, the manifest's record)."""
-    from .fidelity import answer_probs
-
-    samples = guard_samples(cfg, tokenizer)
-    steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
-    scored = [answer_probs(model, s) for s in samples]
-    dense = [p[k] for (p, _), k in zip(scored, steps)]
-    held = [i for i, ((_, top), k) in enumerate(zip(scored, steps)) if k and bool(top[k].all())]
+    samples, steps, dense, held = dense_keys(model, tokenizer, guard_samples(cfg, tokenizer))
     record = {"data": GUARD_DATA, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
               "dense_retrieves": len(held), "rule": f"held: every digit dense's most likely token; lost: a digit below "
               f"{GUARD_KEEPS} x its dense p (teacher-forced)", "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in dense]}
     return samples, steps, dense, held, record
+
+
+class DenseKeys(NamedTuple):
+    """The dense side of a key check on P passkey prompts (``dense_keys``): samples, the prompts; steps, per prompt
+    the indices of its answer tokens that carry the key (``key_steps``); dense, per prompt dense's teacher-forced
+    probability of each of those tokens, fp32 [len(steps[i])]; held, the indices of the prompts whose key dense
+    retrieves (every key token dense's most likely token there)."""
+
+    samples: list
+    steps: list[list[int]]
+    dense: list
+    held: list[int]
+
+
+def dense_keys(model, tokenizer, samples: list) -> DenseKeys:
+    """The model's own attention on ``samples`` (passkey prompts with answers): one teacher-forced forward each
+    (``fidelity.answer_probs``), read as ``DenseKeys``. Shared by the retrieval guard and ``sparsesearch pareto``
+    so that both call a key held, and lost, by one rule."""
+    from .fidelity import answer_probs
+
+    steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
+    scored = [answer_probs(model, s) for s in samples]
+    dense = [p[k] for (p, _), k in zip(scored, steps)]
+    held = [i for i, ((_, top), k) in enumerate(zip(scored, steps)) if k and bool(top[k].all())]
+    return DenseKeys(list(samples), steps, dense, held)
+
+
+def read_keys(model, keys: DenseKeys, artifact, *, min_tokens: int = VERIFY_MIN_TOKENS) -> KeyCheck:
+    """KeyCheck of ``artifact`` (``manifest`` + ``heads``, ``fidelity.as_artifact``) on the prompts whose key dense
+    holds (``keys.held``, at least one): misses, those where a key token falls below GUARD_KEEPS x its dense
+    probability; worst, the lowest sparse / dense ratio of any such token. One sparse forward per held prompt;
+    prompts dense does not retrieve are never run (a key dense cannot give is no key to lose)."""
+    from .fidelity import answer_probs
+
+    ratio = [answer_probs(model, keys.samples[i], artifact, min_tokens=min_tokens)[0][keys.steps[i]] / keys.dense[i] for i in keys.held]
+    return KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio), min(float(r.min()) for r in ratio))
 
 
 def key_steps(tokenizer, answer_ids) -> list[int]:

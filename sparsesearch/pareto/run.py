@@ -7,13 +7,19 @@ artifact, every baseline family at every budget, pareto/baselines.py):
   model), summed over layers and windows, over the same sum for dense;
 - quality: the point through the sparse runtime on the same windows against the one dense run
   (fidelity.evaluate_against: teacher-forced KL and perplexity over every position, retrieval counts where
-  the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's).
+  the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's);
+- keys: ``--keys`` passkey prompts at the same length, each key's digits read teacher-forced the way
+  calibration's retrieval guard reads them (tuning.dense_keys / read_keys: held by dense when every digit is
+  dense's most likely token, lost when a digit falls below GUARD_KEEPS of its dense probability). Average KL
+  cannot see a lost needle (one answer among thousands of positions), and the searched artifacts were held to
+  their keys while the baselines were not: without this column a baseline that buys its KL by dropping the
+  middle of the context looks as good as it measures.
 Then the verdict per baseline point (pareto/dominance.py) and the files: rows (Parquet), each point's cost per
 layer (Parquet), report (JSON), a PNG of KL vs cost with one line per family.
 
-Resume: each point's quality is a unit of ``OUT.pareto.partial/`` (sparsesearch/workdir.py: fingerprinted by
-the run's settings, named by the point's own rows), so a killed run re-measures only the points it had not
-finished.
+Resume: each point's quality, and its key reading, is a unit of ``OUT.pareto.partial/`` (sparsesearch/workdir.py:
+fingerprinted by the run's settings, named by the point's own rows; the key unit also by ``--keys``), so a
+killed run re-measures only the points it had not finished.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Callable
 from .baselines import DEFAULT_BUDGETS, FAMILIES, Point, baseline_points, check_budgets, check_families
 
 STREAM_ORDER_DATA = "text:shakespeare"  # the calibration part (never the held-out plays) ranks duo's heads
+KEY_DATA = "synthetic:passkey"  # the retrieval guard's data (tuning.GUARD_DATA), read from its held-out seeds
+DEFAULT_KEYS = 4  # as many prompts as calibrate's --retrieval-guard reads by default
 
 
 @dataclass
@@ -40,6 +48,7 @@ class ParetoConfig:
     seed: int = 0
     calibration_data: str = STREAM_ORDER_DATA
     triangle_start: int | None = None
+    keys: int = DEFAULT_KEYS
     out: Path | None = None
     overwrite: bool = False
     resume: bool = False
@@ -64,6 +73,7 @@ def preflight(cfg: ParetoConfig):
 
     check_families(cfg.baselines)
     check_budgets(cfg.budgets)
+    check_keys(cfg.keys)
     if not cfg.artifacts and not cfg.baselines:
         raise ValueError("nothing to compare: give --artifact or at least one --baselines family")
     info = check.model_info(cfg.model, dtype=cfg.dtype, device=cfg.device)
@@ -78,6 +88,12 @@ def preflight(cfg: ParetoConfig):
     if cfg.out is not None:
         _check_out(cfg.out, cfg.overwrite)
     return info, [(Path(p), load_artifact(p, model_info=info)) for p in cfg.artifacts]
+
+
+def check_keys(keys: int) -> None:
+    """--keys: a count of passkey prompts, 0 for no key check (ValueError, one line)."""
+    if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
+        raise ValueError(f"--keys must be a whole number >= 0 (passkey prompts; 0 turns the key check off), got {keys!r}")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -225,16 +241,66 @@ def quality(model, tokenizer, point: Point, reference, work, key: str) -> dict:
     return result
 
 
-def point_row(point: Point, cost: dict, fid: dict) -> dict:
-    """The Parquet/JSON row of one measured point."""
+def key_samples(cfg: ParetoConfig, tokenizer) -> list:
+    """``cfg.keys`` passkey prompts of ``cfg.tokens`` tokens: the synthetic stream's held-out part (seeds
+    cfg.seed + 10_000 .., data.held_out), the needle depths spread evenly, (i + 0.5) / keys
+    (fidelity.held_out_samples). Held out, because calibration's guard reads seeds cfg.seed .. of the stream
+    and the searched artifacts were chosen to hold exactly those keys: read there, the searched points would be
+    judged on the prompts they were fitted to and the baselines on prompts nobody fitted. Even depths, so every
+    point is read at the same spread of needle positions, start of the context to its end."""
+    from ..fidelity import held_out_samples
+
+    return held_out_samples(KEY_DATA, tokenizer, samples=cfg.keys, tokens=cfg.tokens, seed=cfg.seed)[0]
+
+
+def dense_side(model, tokenizer, cfg: ParetoConfig):
+    """(tuning.DenseKeys of ``key_samples``, the report's record of them), or (None, None) with --keys 0."""
+    from ..data.calibration import HELD_OUT_OFFSET
+    from ..tuning import GUARD_KEEPS, dense_keys
+
+    if not cfg.keys:
+        return None, None
+    keys = dense_keys(model, tokenizer, key_samples(cfg, tokenizer))
+    record = {"data": KEY_DATA, "part": "held-out", "prompts": cfg.keys, "tokens": max(len(s.input_ids) for s in keys.samples),
+              "seeds": [cfg.seed + HELD_OUT_OFFSET, cfg.seed + HELD_OUT_OFFSET + cfg.keys - 1],
+              "depths": [round((i + 0.5) / cfg.keys, 4) for i in range(cfg.keys)], "dense_retrieves": len(keys.held),
+              "rule": f"held by dense: every key digit dense's most likely token; lost: a digit below {GUARD_KEEPS} x its dense p "
+                      "(teacher-forced, as calibrate's retrieval guard)",
+              "why": "held-out seeds: calibration's guard held the searched artifacts to the calibration seeds' keys"}
+    return keys, record
+
+
+def key_reading(model, point: Point, keys, work, key: str) -> dict:
+    """{keys_lost, key_worst_ratio} of the point (tuning.read_keys through the same runtime as its quality, every
+    length sparse), read from / kept in ``work`` as unit ``key``; both None when the check is off or dense holds
+    no key (nothing to lose: no claim either way)."""
+    from ..fidelity import as_artifact
+    from ..tuning import read_keys
+
+    if keys is None or not keys.held:
+        return {"keys_lost": None, "key_worst_ratio": None}
+    if work is not None and work.done(key):
+        return work.load(key)
+    check = read_keys(model, keys, as_artifact(point.manifest, point.rows), min_tokens=1)
+    result = {"keys_lost": check.misses, "key_worst_ratio": round(check.worst, 6)}
+    if work is not None:
+        work.save(key, result)
+    return result
+
+
+def point_row(point: Point, cost: dict, fid: dict, keys: dict | None = None, *, checked: int = 0, held: int = 0) -> dict:
+    """The Parquet/JSON row of one measured point. keys: ``key_reading``'s result; checked: the passkey prompts
+    read (0: --keys 0); held: those whose key dense holds."""
     tf = fid.get("teacher_forced") or {}
     ret = fid.get("retrieval") or {}
+    keys = keys or {}
     return {
         "family": point.family, "label": point.label, "searched": point.searched, "budget": point.budget,
         "setting": point.setting, **cost, "predicted_cost_fraction": predicted_cost(point), "kl": tf.get("kl_mean"), "ppl_dense": tf.get("ppl_dense"),
         "ppl_sparse": tf.get("ppl_sparse"), "next_token_kl": fid.get("next_token_kl"), "tokens": tf.get("tokens"),
         "dense_correct": ret.get("dense_correct"), "sparse_correct": ret.get("sparse_correct"), "retrieval_n": ret.get("n"),
-        "retrieval_verdict": ret.get("verdict"),
+        "retrieval_verdict": ret.get("verdict"), "keys_checked": checked, "keys_held_dense": held,
+        "keys_lost": keys.get("keys_lost"), "key_worst_ratio": keys.get("key_worst_ratio"),
     }
 
 
@@ -257,6 +323,10 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     if "duo" in cfg.baselines:
         progress.stage("ranking heads by streaming error (duo baseline)")
         order = stream_order(model, tokenizer, info, cfg)
+    if cfg.keys:
+        progress.stage(f"passkey keys: dense on {cfg.keys} held-out prompt(s) of {cfg.tokens} tokens")
+    keys, keys_record = dense_side(model, tokenizer, cfg)
+    held = 0 if keys is None else len(keys.held)
     points = [artifact_point(p, a) for p, a in artifacts]
     points += baseline_points(info, cfg.tokens, cfg.baselines, cfg.budgets, triangle_probed=probed_start(cfg, artifacts), stream_order=order)
     progress.stage(f"attention cost of {len(points)} points")
@@ -265,14 +335,16 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
     rows = []
     for i, (point, cost) in enumerate(zip(points, costs)):
         progress.point(i, len(points), point.label)
-        rows.append(point_row(point, cost, quality(model, tokenizer, point, reference, work, _point_key(point))))
+        fid = quality(model, tokenizer, point, reference, work, _point_key(point))
+        read = key_reading(model, point, keys, work, f"{_point_key(point)}-keys{cfg.keys}")
+        rows.append(point_row(point, cost, fid, read, checked=cfg.keys, held=held))
     report = {
         "model": info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed,
         "device": str(next(model.parameters()).device), "cost_model": costs[0]["cost_model"] if costs else None,
-        "seconds": round(time.perf_counter() - started, 1), "rows": rows, "verdicts": verdicts(rows),
+        "seconds": round(time.perf_counter() - started, 1), "keys": keys_record, "rows": rows, "verdicts": verdicts(rows),
         "searched_frontier": searched_frontier(rows),
     }
-    report["summary"] = summary(report["verdicts"])
+    report["summary"] = summary(report["verdicts"], rows)
     if cfg.out is not None:
         progress.stage("writing report")
         report["files"] = write_report(cfg.out, report, info, layers)
