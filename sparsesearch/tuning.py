@@ -120,6 +120,7 @@ def tuning_kl(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fixed_ro
         memo.kl[key] = fidelity_kl(fid)[1]
         return memo.kl[key]
 
+    kl_of.known = lambda rows: memo.kl.get(_rows_key(fixed_rows + rows))  # a reading without a run (search_target's known)
     return kl_of
 
 

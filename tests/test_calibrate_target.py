@@ -200,6 +200,9 @@ def test_a_sweeps_targets_share_the_dense_run_and_each_kl_measured(monkeypatch):
     assert first([row(1, 0.5)]) == second([row(1, 0.5)]) == pytest.approx(0.002)
     assert calls == {"reference": 1, "sparse": 1}
     assert second([row(1, 0.25)]) == pytest.approx(0.002) and calls == {"reference": 1, "sparse": 2}  # another allocation
+    # what the sweep measured is read without a run (search_target's known); what it did not is None
+    assert second.known([row(1, 0.5)]) == pytest.approx(0.002) and second.known([row(1, 0.125)]) is None
+    assert calls == {"reference": 1, "sparse": 2}
     alone = tuning.tuning_kl(None, None, None, {}, [row(0, 1.0)])  # no memo: a run of its own
     alone([row(1, 0.5)])
     assert calls == {"reference": 2, "sparse": 3}

@@ -80,6 +80,28 @@ def test_search_target_finds_the_cheapest_point_that_meets_the_target():
     assert search_target(path, measure, 0.005).chosen == 4 and 3 in calls
 
 
+@pytest.mark.parametrize("guided", [False, True])
+def test_search_target_starts_from_what_a_sweep_measured(guided):
+    # KL not monotone along the path (RESULTS Run 40): an earlier target measured point 2 at 0.008, which meets
+    # 0.01; this target's own search from scratch reads 3 (0.02, a miss) and settles on 4, never reading 2
+    path = [Allocation([i]) for i in range(8)] + [Allocation([DENSE])]
+    kl = {0: 0.5, 1: 0.03, 2: 0.008, 3: 0.02, 4: 0.009, 5: 0.006, 6: 0.004, 7: 0.002}
+    predicted = [0.4, 0.03, 0.02, 0.015, 0.009, 0.006, 0.004, 0.002, 0.0] if guided else None
+    calls = []
+
+    def measure(a):
+        calls.append(a.choices[0])
+        return kl[a.choices[0]]
+
+    fresh = search_target(path, measure, 0.01, predicted=predicted)
+    assert fresh.chosen == 4 and 2 not in calls
+    calls.clear()
+    known = [None, None, 0.008, None, None, None, None, None, None]
+    seeded = search_target(path, measure, 0.01, predicted=predicted, known=known)
+    assert seeded.chosen == 2 and seeded.measured[2] == 0.008 and 2 not in calls  # read, not run again
+    assert 1 in calls and 3 not in calls and 4 not in calls  # the point just cheaper confirms the miss; nothing dearer runs
+
+
 @pytest.mark.parametrize("kind,value", [("target_kl", 0.0), ("target_kl", -1e-3), ("max_output_error", math.nan),
                                         ("latency_budget", 1.5), ("latency_budget", 0.0), ("loss", 0.1)])
 def test_bad_targets_are_refused_with_the_value(kind, value):

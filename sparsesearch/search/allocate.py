@@ -133,7 +133,10 @@ def allocate_target(req: TargetRequest, work: Path, n_samples: int, layers: list
     else:
         model = kl_model(curves, path, lambda a: kl_of(rows_of(a)))
         path, predicted = frontier_kl_path(curves, model["sensitivity"])
-        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted)
+        # what a sweep's earlier targets measured on this path (tuning_kl's memo) is not run again
+        known = getattr(kl_of, "known", None)
+        found = search_target(path, lambda a: kl_of(rows_of(a)), value, [a.cost_fraction(curves) for a in path], KL_RESOLUTION, predicted,
+                              known=None if known is None else [known(rows_of(a)) for a in path])
         measured = found.measured
         alloc = path[found.best if found.chosen is None else found.chosen]
         if found.chosen is None:
