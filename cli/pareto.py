@@ -33,7 +33,7 @@ def pareto(
     tokens: Annotated[int, typer.Option(help="Window length in tokens.")] = 4096,
     seed: Annotated[int, typer.Option(help="Seed of the held-out windows.")] = 0,
     triangle_start: Annotated[Optional[int], typer.Option(help="Probed TriangleMix start layer (default: an artifact's own, if any).")] = None,
-    keys: Annotated[int, typer.Option(help="Passkey prompts (held-out seeds, --tokens long) on which every point's key is read teacher-forced, as calibrate's retrieval guard reads it: a baseline that loses a key dense holds, where the searched curve holds them all, is judged 'loses keys'. One dense and one sparse forward per prompt and point. 0: off.")] = 4,
+    keys: Annotated[int, typer.Option(help="Passkey keys dense must hold: held-out prompts (--tokens long, needles spread over the context) are read until dense holds this many, at most 4x as many prompts; every point's keys are then read teacher-forced, as calibrate's retrieval guard reads them, and a baseline that loses a key dense holds, where the searched curve holds them all, is judged 'loses keys'. One sparse forward per held key and point. 0: off.")] = 4,
     out: Annotated[Optional[Path], typer.Option(help="Directory for pareto.parquet, pareto_layers.parquet, pareto.json and pareto.png.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points a killed run finished (OUT.pareto.partial/).")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a report already at --out.")] = False,

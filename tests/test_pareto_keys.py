@@ -132,20 +132,38 @@ def test_negative_keys_exit_2_before_loading(tiny_dir, tmp_path, monkeypatch):
 # ---- the prompts, and a whole run ---------------------------------------------------------------------
 
 def test_the_key_prompts_are_held_out_from_calibrations_guard(tiny_dir):
-    """Calibrate's guard held the searched artifacts to the keys of seeds cfg.seed ..: the Pareto reads others."""
+    """Calibrate's guard held the searched artifacts to the keys of seeds cfg.seed ..: the Pareto reads others,
+    their needles spread over the context in the order they are read."""
     from transformers import AutoTokenizer
 
     from sparsesearch.calibrate import CalibrateConfig
     from sparsesearch.pareto import ParetoConfig
-    from sparsesearch.pareto.run import key_samples
+    from sparsesearch.pareto.run import key_depth, key_prompt
     from sparsesearch.tuning import guard_samples
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    mine = key_samples(ParetoConfig(model=tiny_dir, tokens=256, keys=4), tok)
+    mine = [key_prompt(ParetoConfig(model=tiny_dir, tokens=256, keys=4), tok, j) for j in range(8)]
     guard = guard_samples(CalibrateConfig(model=tiny_dir, max_tokens=256, retrieval_guard=4), tok)
-    assert len(mine) == 4 and all(s.meta["held_out"] for s in mine)
+    assert all(s.meta["held_out"] for s in mine)
     assert not {s.answer for s in mine} & {s.answer for s in guard}
-    assert [s.meta["depth"] for s in mine] == pytest.approx([0.125, 0.375, 0.625, 0.875])
+    assert [s.meta["depth"] for s in mine] == pytest.approx([0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875, 0.0625])
+    assert sorted(key_depth(j) for j in range(7)) == pytest.approx([i / 8 for i in range(1, 8)])  # any 2^k - 1 read: even
+
+
+def test_dense_is_read_until_it_holds_the_keys_wanted(monkeypatch):
+    """Prompts are drawn one at a time until dense holds `want` keys, or `limit` were read."""
+    import sparsesearch.tuning as tuning
+
+    holds = {0: False, 1: True, 2: False, 3: True, 4: True}
+    monkeypatch.setattr(tuning, "dense_keys", lambda model, tok, samples: tuning.DenseKeys(
+        list(samples), [[0]], [torch.ones(1)], [0] if holds[samples[0]] else []))
+    drawn = []
+    draw = lambda j: drawn.append(j) or j
+    keys = tuning.dense_keys_until(None, None, draw, want=2, limit=8)
+    assert drawn == [0, 1, 2, 3] and keys.held == [1, 3] and keys.samples == [0, 1, 2, 3]
+    drawn.clear()
+    few = tuning.dense_keys_until(None, None, draw, want=4, limit=3)
+    assert drawn == [0, 1, 2] and few.held == [1]  # the limit: dense held one of three
 
 
 KEYS = ["keys_checked", "keys_held_dense", "keys_lost", "key_worst_ratio"]
@@ -193,7 +211,8 @@ def test_a_run_reads_every_points_keys_and_resume_reuses_them(tiny_dir, tmp_path
     report = pareto(cfg)
     assert sparse_reads == [1, 1], "only the unfinished point is read again"
     rows = {r["family"]: r for r in report["rows"]}
-    assert report["keys"]["dense_retrieves"] == 2 and report["keys"]["seeds"] == [10_000, 10_001]
+    assert report["keys"]["dense_retrieves"] == 2 and report["keys"]["seeds"] == [10_000, 10_001]  # held at once: 2 read
+    assert report["keys"]["held_depths"] == [0.5, 0.25] and report["keys"]["wanted"] == 2
     assert all((r["keys_checked"], r["keys_held_dense"]) == (2, 2) for r in rows.values())
     assert rows["dense"]["keys_lost"] == 0 and rows["dense"]["key_worst_ratio"] == pytest.approx(1.0, abs=1e-3)
     assert rows["streaming"]["key_worst_ratio"] != pytest.approx(1.0, abs=1e-6), "the streaming point ran sparse"

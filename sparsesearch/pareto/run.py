@@ -8,7 +8,8 @@ artifact, every baseline family at every budget, pareto/baselines.py):
 - quality: the point through the sparse runtime on the same windows against the one dense run
   (fidelity.evaluate_against: teacher-forced KL and perplexity over every position, retrieval counts where
   the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's);
-- keys: ``--keys`` passkey prompts at the same length, each key's digits read teacher-forced the way
+- keys: passkey prompts at the same length, read until dense holds ``--keys`` keys (at most KEY_DRAWS x that
+  many prompts, needle depths spread by ``key_depth``), each key's digits read teacher-forced the way
   calibration's retrieval guard reads them (tuning.dense_keys / read_keys: held by dense when every digit is
   dense's most likely token, lost when a digit falls below GUARD_KEEPS of its dense probability). Average KL
   cannot see a lost needle (one answer among thousands of positions), and the searched artifacts were held to
@@ -241,31 +242,47 @@ def quality(model, tokenizer, point: Point, reference, work, key: str) -> dict:
     return result
 
 
-def key_samples(cfg: ParetoConfig, tokenizer) -> list:
-    """``cfg.keys`` passkey prompts of ``cfg.tokens`` tokens: the synthetic stream's held-out part (seeds
-    cfg.seed + 10_000 .., data.held_out), the needle depths spread evenly, (i + 0.5) / keys
-    (fidelity.held_out_samples). Held out, because calibration's guard reads seeds cfg.seed .. of the stream
-    and the searched artifacts were chosen to hold exactly those keys: read there, the searched points would be
-    judged on the prompts they were fitted to and the baselines on prompts nobody fitted. Even depths, so every
-    point is read at the same spread of needle positions, start of the context to its end."""
-    from ..fidelity import held_out_samples
+KEY_DRAWS = 4  # --keys K: held-out prompts are read until dense holds K keys or K x KEY_DRAWS prompts were read
 
-    return held_out_samples(KEY_DATA, tokenizer, samples=cfg.keys, tokens=cfg.tokens, seed=cfg.seed)[0]
+
+def key_depth(j: int) -> float:
+    """The needle depth of key prompt j: the base-2 van der Corput sequence (1/2, 1/4, 3/4, 1/8, 5/8, 3/8, ...),
+    so the prompts read when the reading stops are spread over the context, start to end."""
+    depth, scale, k = 0.0, 0.5, j + 1
+    while k:
+        depth, k, scale = depth + scale * (k & 1), k >> 1, scale / 2
+    return depth
+
+
+def key_prompt(cfg: ParetoConfig, tokenizer, j: int):
+    """Key prompt j: a passkey prompt of ``cfg.tokens`` tokens from the synthetic stream's held-out part (seed
+    cfg.seed + 10_000 + j, data.held_out) with its needle at ``key_depth(j)``. Held out, because calibration's
+    guard reads seeds cfg.seed .. of the stream and the searched artifacts were chosen to hold exactly those
+    keys: read there, the searched points would be judged on the prompts they were fitted to and the baselines
+    on prompts nobody fitted."""
+    from ..data import held_out
+
+    return held_out(KEY_DATA, tokenizer, max_tokens=cfg.tokens, seed=cfg.seed + j, depth=key_depth(j))
 
 
 def dense_side(model, tokenizer, cfg: ParetoConfig):
-    """(tuning.DenseKeys of ``key_samples``, the report's record of them), or (None, None) with --keys 0."""
+    """(tuning.DenseKeys of the key prompts read until dense holds ``cfg.keys`` keys, at most cfg.keys x
+    KEY_DRAWS of them; the report's record of them), or (None, None) with --keys 0."""
     from ..data.calibration import HELD_OUT_OFFSET
-    from ..tuning import GUARD_KEEPS, dense_keys
+    from ..tuning import GUARD_KEEPS, dense_keys_until
 
     if not cfg.keys:
         return None, None
-    keys = dense_keys(model, tokenizer, key_samples(cfg, tokenizer))
-    record = {"data": KEY_DATA, "part": "held-out", "prompts": cfg.keys, "tokens": max(len(s.input_ids) for s in keys.samples),
-              "seeds": [cfg.seed + HELD_OUT_OFFSET, cfg.seed + HELD_OUT_OFFSET + cfg.keys - 1],
-              "depths": [round((i + 0.5) / cfg.keys, 4) for i in range(cfg.keys)], "dense_retrieves": len(keys.held),
+    keys = dense_keys_until(model, tokenizer, lambda j: key_prompt(cfg, tokenizer, j), cfg.keys, cfg.keys * KEY_DRAWS)
+    read = len(keys.samples)
+    record = {"data": KEY_DATA, "part": "held-out", "wanted": cfg.keys, "prompts": read,
+              "tokens": max(len(s.input_ids) for s in keys.samples),
+              "seeds": [cfg.seed + HELD_OUT_OFFSET, cfg.seed + HELD_OUT_OFFSET + read - 1],
+              "depths": [round(key_depth(j), 4) for j in range(read)], "dense_retrieves": len(keys.held),
+              "held_depths": [round(key_depth(j), 4) for j in keys.held],
               "rule": f"held by dense: every key digit dense's most likely token; lost: a digit below {GUARD_KEEPS} x its dense p "
-                      "(teacher-forced, as calibrate's retrieval guard)",
+                      f"(teacher-forced, as calibrate's retrieval guard); prompts read until dense holds {cfg.keys} or "
+                      f"{cfg.keys * KEY_DRAWS} were read",
               "why": "held-out seeds: calibration's guard held the searched artifacts to the calibration seeds' keys"}
     return keys, record
 
@@ -324,9 +341,9 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
         progress.stage("ranking heads by streaming error (duo baseline)")
         order = stream_order(model, tokenizer, info, cfg)
     if cfg.keys:
-        progress.stage(f"passkey keys: dense on {cfg.keys} held-out prompt(s) of {cfg.tokens} tokens")
+        progress.stage(f"passkey keys: dense on held-out prompts of {cfg.tokens} tokens until it holds {cfg.keys}")
     keys, keys_record = dense_side(model, tokenizer, cfg)
-    held = 0 if keys is None else len(keys.held)
+    checked, held = (0, 0) if keys is None else (len(keys.samples), len(keys.held))
     points = [artifact_point(p, a) for p, a in artifacts]
     points += baseline_points(info, cfg.tokens, cfg.baselines, cfg.budgets, triangle_probed=probed_start(cfg, artifacts), stream_order=order)
     progress.stage(f"attention cost of {len(points)} points")
@@ -337,7 +354,7 @@ def pareto(cfg: ParetoConfig, progress: Progress | None = None, *, checked=None)
         progress.point(i, len(points), point.label)
         fid = quality(model, tokenizer, point, reference, work, _point_key(point))
         read = key_reading(model, point, keys, work, f"{_point_key(point)}-keys{cfg.keys}")
-        rows.append(point_row(point, cost, fid, read, checked=cfg.keys, held=held))
+        rows.append(point_row(point, cost, fid, read, checked=checked, held=held))
     report = {
         "model": info.id, "data": cfg.data, "samples": cfg.samples, "tokens": cfg.tokens, "seed": cfg.seed,
         "device": str(next(model.parameters()).device), "cost_model": costs[0]["cost_model"] if costs else None,
