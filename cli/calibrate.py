@@ -32,7 +32,7 @@ def calibrate(
     space_budget: Annotated[bool, typer.Option("--space-budget", help="No quality target: each head its least-error candidate within the search space's budget (the paper's setting; lossy on short prompts: KL 0.055 on SmolLM2 at 4K).")] = False,
     latency_budget: Annotated[Optional[float], typer.Option(help="Cost target: least total head error with total cost <= this fraction of dense cost (0-1, the search's cost model).")] = None,
     tune_samples: Annotated[int, typer.Option(help="--target-kl: calibration-data prompts (after the searched ones, never held-out) the KL is measured on.")] = 2,
-    retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey prompts at --max-tokens whose keys (those dense retrieves: every digit its most likely token, teacher-forced) the chosen point must keep; it moves up the path until none is lost. 0: off.")] = 4,
+    retrieval_guard: Annotated[int, typer.Option(help="--target-kl: passkey keys the chosen point must keep: prompts at --max-tokens are read until dense retrieves this many keys (every digit its most likely token, teacher-forced; at most 4x as many prompts), and the point moves up the path (or keeps the layers that lose them dense) until none is lost. 0: off.")] = 4,
     allow_miss: Annotated[bool, typer.Option("--allow-miss", help="With a target that cannot be met: write the best reachable artifact, marked missed, instead of exiting 2.")] = False,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue a killed run from OUT.partial/ (or --search-dir).")] = False,

@@ -139,11 +139,11 @@ def test_the_key_prompts_are_held_out_from_calibrations_guard(tiny_dir):
     from sparsesearch.calibrate import CalibrateConfig
     from sparsesearch.pareto import ParetoConfig
     from sparsesearch.pareto.run import key_depth, key_prompt
-    from sparsesearch.tuning import guard_samples
+    from sparsesearch.tuning import guard_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     mine = [key_prompt(ParetoConfig(model=tiny_dir, tokens=256, keys=4), tok, j) for j in range(8)]
-    guard = guard_samples(CalibrateConfig(model=tiny_dir, max_tokens=256, retrieval_guard=4), tok)
+    guard = [guard_prompt(CalibrateConfig(model=tiny_dir, max_tokens=256, retrieval_guard=4), tok, j) for j in range(16)]
     assert all(s.meta["held_out"] for s in mine)
     assert not {s.answer for s in mine} & {s.answer for s in guard}
     assert [s.meta["depth"] for s in mine] == pytest.approx([0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875, 0.0625])

@@ -76,8 +76,9 @@ def test_a_guard_dense_cannot_answer_is_recorded_not_applied(tmp_path):
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=2)
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
     assert misses_of is None  # a random tiny model answers no passkey
-    assert record["data"] == GUARD_DATA and record["prompts"] == 2 and record["dense_retrieves"] == 0
-    assert len(record["dense_min_p"]) == 2 and all(p < 0.5 for p in record["dense_min_p"]), "a random tiny model retrieves no key"
+    # dense holds none of them: every prompt up to GUARD_DRAWS x 2 is read looking for 2 keys
+    assert record["data"] == GUARD_DATA and record["prompts"] == 8 and record["wanted"] == 2 and record["dense_retrieves"] == 0
+    assert len(record["dense_min_p"]) == 8 and all(p < 0.5 for p in record["dense_min_p"]), "a random tiny model retrieves no key"
     assert record["held"] is None and "nothing to hold" in record["why"]
 
 
@@ -162,6 +163,7 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
 
     monkeypatch.setattr(fid, "answer_probs", fake_answer_probs)
     monkeypatch.setattr(tuning, "key_steps", lambda tokenizer, ids: [1, 2])
+    monkeypatch.setattr(tuning, "GUARD_DRAWS", 1)  # exactly the table's prompts (reading until held: test_pareto_keys)
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=len(dense))
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
     assert record["dense_retrieves"] == len(held) and len(record["dense_min_p"]) == len(dense)
@@ -277,3 +279,18 @@ def test_a_sweeps_memo_runs_the_guards_dense_side_and_each_reading_once(tmp_path
     calls.clear()
     second, again = retrieval_guard(cfg, model, tok, {}, [], memo=memo)
     assert again == record and second(rows) == first(rows) and calls == [], "nothing runs twice"
+
+
+def test_guard_prompt_j_is_the_jth_calibration_prompt(tmp_path):
+    """Read one at a time, the guard's prompts are the stream's own (seed cfg.seed + j), so a model that holds
+    the first N keys reads exactly the N prompts a fixed count read before."""
+    from transformers import AutoTokenizer
+
+    from sparsesearch.data import load_calibration
+    from sparsesearch.tuning import guard_prompt
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "tiny"))
+    cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=3, seed=5)
+    batch = load_calibration(GUARD_DATA, tok, max_tokens=256, samples=3, seed=5)
+    assert [guard_prompt(cfg, tok, j).answer for j in range(3)] == [s.answer for s in batch]
+    assert [guard_prompt(cfg, tok, j).input_ids.tolist() for j in range(3)] == [s.input_ids.tolist() for s in batch]
