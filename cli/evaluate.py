@@ -23,7 +23,8 @@ def evaluate(
     device: DeviceOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Teacher-forced KL and perplexity over every position, retrieval counts (or why they say nothing),
+    """Teacher-forced KL and perplexity over every position, retrieval counts (or why they say nothing) and, on
+    retrieval data, the keys dense holds and the artifact keeps read teacher-forced (sparsesearch/keycheck.py),
     next-token KL, greedy agreement and per-layer attention error, sparse vs dense. Several artifacts share
     one dense run on the same prompts (a target sweep's passkey check costs one reference, not one each);
     --json then prints a list of reports, each with its "artifact".
@@ -32,7 +33,9 @@ def evaluate(
     """
     from sparsesearch import preflight as check
     from sparsesearch.artifacts import load_artifact
-    from sparsesearch.fidelity import check_options, describe, evaluate_against, held_out_reference
+    from sparsesearch.data import is_retrieval_spec
+    from sparsesearch.fidelity import as_artifact, check_options, describe, evaluate_against, held_out_reference
+    from sparsesearch.keycheck import dense_keys, keys_report
     from sparsesearch.models import load_model
 
     # Everything the arguments, the artifacts and the model's config can tell, before the weights load.
@@ -51,11 +54,19 @@ def evaluate(
         progress.stage(PASSES["dense"])
         reference = held_out_reference(m, tokenizer, data=data, samples=samples, tokens=tokens, seed=seed,
                                        on_prompt=progress.tick)
+        keys = None
+        if is_retrieval_spec(data):  # the answers read teacher-forced too: greedy counts judge the format as well
+            progress.stage("passkey keys, dense, teacher-forced")
+            keys = dense_keys(m, tokenizer, reference.samples)
         results = []
         for path, art in zip(artifacts, arts):
             progress.stage(PASSES["sparse"] + (f" ({path.name})" if len(arts) > 1 else ""))
-            results.append(evaluate_against(m, tokenizer, art.manifest, art.head_rows(), reference, min_tokens=min_tokens,
-                                            on_prompt=progress.tick))
+            result = evaluate_against(m, tokenizer, art.manifest, art.head_rows(), reference, min_tokens=min_tokens,
+                                      on_prompt=progress.tick)
+            if keys is not None:
+                progress.stage(f"passkey keys, sparse ({path.name})")
+                result["keys"] = keys_report(m, keys, as_artifact(art.manifest, art.head_rows()), min_tokens=min_tokens)
+            results.append(result)
     if json_out:
         print_json(results[0] if len(results) == 1 else [{"artifact": str(p), **r} for p, r in zip(artifacts, results)])
         return

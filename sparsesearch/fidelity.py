@@ -439,4 +439,9 @@ def describe(result: dict) -> list[str]:
         lines.append(f"retrieval: {counts}" if ret["verdict"] == "informative" else f"retrieval: {ret['verdict']} (sparse {ret['sparse_correct']}/{ret['n']})")
     elif result.get("dense_accuracy") is not None:  # an artifact written before the counts existed
         lines.append(f"retrieval dense {result['dense_accuracy']:.0%} vs sparse {result['sparse_accuracy']:.0%} (old report: no counts)")
+    keys = result.get("keys")  # sparsesearch/keycheck.py's block, where the caller read the answers teacher-forced
+    if keys:
+        held = f"dense holds {keys['dense_holds']}/{keys['n']} keys"
+        lines.append(f"keys (teacher-forced): {held}, sparse keeps {keys['kept']}, loses {keys['lost']} (worst digit at {keys['worst_ratio']:.2f} of dense)"
+                     if keys["lost"] is not None else f"keys (teacher-forced): {held}: nothing to lose")
     return lines

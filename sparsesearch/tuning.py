@@ -19,8 +19,8 @@
   answered prompt flip format under any sparse point and pushed all 11 targets of a sweep (0.4 .. 0.005) to one
   near-dense point (H200 Run 38). A key is held when every digit is dense's most likely token there (Gemma's
   weakest guard digit is 0.37 against 0.18 for the runner-up: retrieved, if not surely); it is lost when a digit
-  falls below GUARD_KEEPS of its dense probability. The check itself (``dense_keys``, ``read_keys``) is shared
-  with ``sparsesearch pareto``, which reads every point's keys by the same rule.
+  falls below GUARD_KEEPS of its dense probability. The check itself (sparsesearch/keycheck.py) is shared
+  with ``sparsesearch pareto`` and ``evaluate``, which read keys by the same rule.
 
 Everything is measured through the sparse runtime with ``VERIFY_MIN_TOKENS`` (the patterns' quality at every
 length, not the dense cut-off's); dense runs are made once per search and reused, and a ``--target-kl`` sweep's
@@ -32,8 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable
 
+from .keycheck import KEEPS as GUARD_KEEPS, DenseKeys, dense_keys_until, read_keys
 from .search.targets import KeyCheck
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 VERIFY_MIN_TOKENS = 1  # quality is measured with the sparse path on at every length: the patterns' KL, not the cut-off's
 GUARD_DATA = "synthetic:passkey"  # one needle at a seeded depth in filler text: the retrieval a streaming head loses
-GUARD_KEEPS = 0.5  # a sparse point loses a key when a digit's probability halves: rounding moves it by a few percent
 
 
 def fidelity_kl(fidelity: dict) -> tuple[str, float]:
@@ -184,62 +184,3 @@ def _guard_dense(cfg: "CalibrateConfig", model, tokenizer) -> tuple:
               "dense_retrieves": len(held), "rule": f"held: every digit dense's most likely token; lost: a digit below "
               f"{GUARD_KEEPS} x its dense p (teacher-forced)", "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in dense]}
     return samples, steps, dense, held, record
-
-
-class DenseKeys(NamedTuple):
-    """The dense side of a key check on P passkey prompts (``dense_keys``): samples, the prompts; steps, per prompt
-    the indices of its answer tokens that carry the key (``key_steps``); dense, per prompt dense's teacher-forced
-    probability of each of those tokens, fp32 [len(steps[i])]; held, the indices of the prompts whose key dense
-    retrieves (every key token dense's most likely token there)."""
-
-    samples: list
-    steps: list[list[int]]
-    dense: list
-    held: list[int]
-
-
-def dense_keys(model, tokenizer, samples: list) -> DenseKeys:
-    """The model's own attention on ``samples`` (passkey prompts with answers): one teacher-forced forward each
-    (``fidelity.answer_probs``), read as ``DenseKeys``. Shared by the retrieval guard and ``sparsesearch pareto``
-    so that both call a key held, and lost, by one rule."""
-    from .fidelity import answer_probs
-
-    steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
-    scored = [answer_probs(model, s) for s in samples]
-    dense = [p[k] for (p, _), k in zip(scored, steps)]
-    held = [i for i, ((_, top), k) in enumerate(zip(scored, steps)) if k and bool(top[k].all())]
-    return DenseKeys(list(samples), steps, dense, held)
-
-
-def dense_keys_until(model, tokenizer, draw: Callable[[int], object], want: int, limit: int) -> DenseKeys:
-    """``dense_keys`` over draw(0), draw(1), ... (a prompt each) until dense holds ``want`` keys or ``limit``
-    prompts were read. A fixed count says little where dense holds few: Gemma 3 at 16K held 1 of 4 held-out
-    keys, the one nearest the end, which every A-shape keeps (RESULTS Run 40)."""
-    samples, steps, dense, held = [], [], [], []
-    for j in range(limit):
-        one = dense_keys(model, tokenizer, [draw(j)])
-        samples += one.samples
-        steps += one.steps
-        dense += one.dense
-        held += [j] * len(one.held)
-        if len(held) >= want:
-            break
-    return DenseKeys(samples, steps, dense, held)
-
-
-def read_keys(model, keys: DenseKeys, artifact, *, min_tokens: int = VERIFY_MIN_TOKENS) -> KeyCheck:
-    """KeyCheck of ``artifact`` (``manifest`` + ``heads``, ``fidelity.as_artifact``) on the prompts whose key dense
-    holds (``keys.held``, at least one): misses, those where a key token falls below GUARD_KEEPS x its dense
-    probability; worst, the lowest sparse / dense ratio of any such token. One sparse forward per held prompt;
-    prompts dense does not retrieve are never run (a key dense cannot give is no key to lose)."""
-    from .fidelity import answer_probs
-
-    ratio = [answer_probs(model, keys.samples[i], artifact, min_tokens=min_tokens)[0][keys.steps[i]] / keys.dense[i] for i in keys.held]
-    return KeyCheck(sum(bool((r < GUARD_KEEPS).any()) for r in ratio), min(float(r.min()) for r in ratio))
-
-
-def key_steps(tokenizer, answer_ids) -> list[int]:
-    """Indices of the answer tokens that carry its characters: a whitespace token (" " before the digits) is
-    the answer's format, not the key."""
-    tok = getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor holds its tokenizer
-    return [i for i, t in enumerate(answer_ids.tolist()) if tok.decode([t]).strip()]

@@ -279,6 +279,28 @@ def test_evaluate_compares_several_artifacts_with_one_dense_run(tiny_model, spac
     assert people.exit_code == 0 and people.output.count("teacher-forced over") == 2 and "tight" in people.output
 
 
+def test_evaluate_on_passkeys_reads_the_keys_teacher_forced(tiny_model, space_file, tmp_path, monkeypatch):
+    """On retrieval data evaluate also reads every key as the retrieval guard does (sparsesearch/keycheck.py). A
+    random tiny model holds no key, so dense's side is stood in for: its real digit probabilities with every
+    digit marked most likely; the sparse side is read for real, once per held key."""
+    from keys_fake import dense_holds_every_key
+
+    calibrate(_cfg(tiny_model, tmp_path / "a", space_file, max_output_error=0.5, allow_miss=True))
+    args = ["evaluate", str(tmp_path / "a"), "--model", tiny_model, "--data", "synthetic:passkey", "--samples", "3",
+            "--tokens", "256", "--min-tokens", "128"]
+    plain = CliRunner().invoke(app, [*args, "--json"])  # the real tiny model: it holds nothing, nothing runs sparse
+    assert plain.exit_code == 0, plain.output
+    keys = json.loads(plain.stdout)["keys"]
+    assert keys["n"] == 3 and keys["dense_holds"] == 0 and keys["lost"] is None
+    sparse_reads = dense_holds_every_key(monkeypatch)
+    held = CliRunner().invoke(app, [*args, "--json"])
+    keys = json.loads(held.stdout)["keys"]
+    assert keys["dense_holds"] == 3 and keys["kept"] + keys["lost"] == 3 and 0 <= keys["worst_ratio"]
+    assert sparse_reads == [128] * 3  # one sparse read per held key, at the runtime's --min-tokens
+    people = CliRunner().invoke(app, args)
+    assert people.exit_code == 0 and "keys (teacher-forced): dense holds 3/3 keys" in people.output
+
+
 @pytest.mark.parametrize("setup, flag, message", [
     (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), "--search-dir", "not a calibrate search"),
     (lambda d: d.write_text("mine"), "--search-dir", "is a file"),

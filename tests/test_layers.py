@@ -21,7 +21,7 @@ FLOORS = (
     ("executor", ("execute", "graphed")),
     ("data", ("artifacts", "models", "data")),
     ("runtime", ("runtime",)),
-    ("services", ("search", "fidelity", "report", "preflight", "export")),
+    ("services", ("search", "fidelity", "keycheck", "report", "preflight", "export")),
     ("methods", ("calibrate", "tuning", "probe", "nosa", "spava", "pareto", "kernel_tuning", "selfcheck")),
 )
 FLOOR = {name: i for i, (_, names) in enumerate(FLOORS) for name in names}

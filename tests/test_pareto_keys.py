@@ -152,17 +152,17 @@ def test_the_key_prompts_are_held_out_from_calibrations_guard(tiny_dir):
 
 def test_dense_is_read_until_it_holds_the_keys_wanted(monkeypatch):
     """Prompts are drawn one at a time until dense holds `want` keys, or `limit` were read."""
-    import sparsesearch.tuning as tuning
+    import sparsesearch.keycheck as keycheck
 
     holds = {0: False, 1: True, 2: False, 3: True, 4: True}
-    monkeypatch.setattr(tuning, "dense_keys", lambda model, tok, samples: tuning.DenseKeys(
+    monkeypatch.setattr(keycheck, "dense_keys", lambda model, tok, samples: keycheck.DenseKeys(
         list(samples), [[0]], [torch.ones(1)], [0] if holds[samples[0]] else []))
     drawn = []
     draw = lambda j: drawn.append(j) or j
-    keys = tuning.dense_keys_until(None, None, draw, want=2, limit=8)
+    keys = keycheck.dense_keys_until(None, None, draw, want=2, limit=8)
     assert drawn == [0, 1, 2, 3] and keys.held == [1, 3] and keys.samples == [0, 1, 2, 3]
     drawn.clear()
-    few = tuning.dense_keys_until(None, None, draw, want=4, limit=3)
+    few = keycheck.dense_keys_until(None, None, draw, want=4, limit=3)
     assert drawn == [0, 1, 2] and few.held == [1]  # the limit: dense held one of three
 
 
@@ -175,19 +175,10 @@ def test_a_run_reads_every_points_keys_and_resume_reuses_them(tiny_dir, tmp_path
     the runtime; a run killed after its first point reads only the second one again on --resume."""
     import pandas as pd
 
-    import sparsesearch.fidelity as fidelity
+    from keys_fake import dense_holds_every_key
     from sparsesearch.pareto import ParetoConfig, pareto, run
 
-    real_probs, sparse_reads = fidelity.answer_probs, []
-
-    def dense_holds_every_key(model, sample, artifact=None, *, min_tokens=1024):
-        probs, top = real_probs(model, sample, artifact, min_tokens=min_tokens)
-        if artifact is not None:
-            sparse_reads.append(min_tokens)
-            return probs, top
-        return probs, torch.ones_like(top)
-
-    monkeypatch.setattr(fidelity, "answer_probs", dense_holds_every_key)
+    sparse_reads = dense_holds_every_key(monkeypatch)
     out = tmp_path / "r"
     cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "dense"], budgets=[0.3], tokens=256, keys=2, out=out,
                        device="cpu", dtype="float32")

@@ -149,6 +149,7 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
     its rank nor its 0.05 under sparse counts) and lost when a digit falls below GUARD_KEEPS x its dense p (0.37
     -> 0.18); only held prompts run sparse. The model's forwards are stood in for by tables."""
     import sparsesearch.fidelity as fid
+    import sparsesearch.keycheck as keycheck
     import sparsesearch.tuning as tuning
     from sparsesearch.models import load_model
 
@@ -162,7 +163,7 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
         return probs, torch.tensor(top[i], dtype=torch.bool)
 
     monkeypatch.setattr(fid, "answer_probs", fake_answer_probs)
-    monkeypatch.setattr(tuning, "key_steps", lambda tokenizer, ids: [1, 2])
+    monkeypatch.setattr(keycheck, "key_steps", lambda tokenizer, ids: [1, 2])
     monkeypatch.setattr(tuning, "GUARD_DRAWS", 1)  # exactly the table's prompts (reading until held: test_pareto_keys)
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=len(dense))
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
@@ -178,7 +179,7 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
 
 def test_key_steps_leave_out_the_answers_whitespace(tmp_path):
     from sparsesearch.models import load_model
-    from sparsesearch.tuning import key_steps
+    from sparsesearch.keycheck import key_steps
 
     _, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
     ids = tok.encode(" ", add_special_tokens=False) + tok.encode("17", add_special_tokens=False)

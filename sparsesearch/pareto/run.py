@@ -10,7 +10,7 @@ artifact, every baseline family at every budget, pareto/baselines.py):
   the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's);
 - keys: passkey prompts at the same length, read until dense holds ``--keys`` keys (at most KEY_DRAWS x that
   many prompts, needle depths spread by ``key_depth``), each key's digits read teacher-forced the way
-  calibration's retrieval guard reads them (tuning.dense_keys / read_keys: held by dense when every digit is
+  calibration's retrieval guard reads them (sparsesearch/keycheck.py: held by dense when every digit is
   dense's most likely token, lost when a digit falls below GUARD_KEEPS of its dense probability). Average KL
   cannot see a lost needle (one answer among thousands of positions), and the searched artifacts were held to
   their keys while the baselines were not: without this column a baseline that buys its KL by dropping the
@@ -266,10 +266,10 @@ def key_prompt(cfg: ParetoConfig, tokenizer, j: int):
 
 
 def dense_side(model, tokenizer, cfg: ParetoConfig):
-    """(tuning.DenseKeys of the key prompts read until dense holds ``cfg.keys`` keys, at most cfg.keys x
+    """(keycheck.DenseKeys of the key prompts read until dense holds ``cfg.keys`` keys, at most cfg.keys x
     KEY_DRAWS of them; the report's record of them), or (None, None) with --keys 0."""
     from ..data.calibration import HELD_OUT_OFFSET
-    from ..tuning import GUARD_KEEPS, dense_keys_until
+    from ..keycheck import KEEPS, dense_keys_until
 
     if not cfg.keys:
         return None, None
@@ -280,7 +280,7 @@ def dense_side(model, tokenizer, cfg: ParetoConfig):
               "seeds": [cfg.seed + HELD_OUT_OFFSET, cfg.seed + HELD_OUT_OFFSET + read - 1],
               "depths": [round(key_depth(j), 4) for j in range(read)], "dense_retrieves": len(keys.held),
               "held_depths": [round(key_depth(j), 4) for j in keys.held],
-              "rule": f"held by dense: every key digit dense's most likely token; lost: a digit below {GUARD_KEEPS} x its dense p "
+              "rule": f"held by dense: every key digit dense's most likely token; lost: a digit below {KEEPS} x its dense p "
                       f"(teacher-forced, as calibrate's retrieval guard); prompts read until dense holds {cfg.keys} or "
                       f"{cfg.keys * KEY_DRAWS} were read",
               "why": "held-out seeds: calibration's guard held the searched artifacts to the calibration seeds' keys"}
@@ -288,11 +288,11 @@ def dense_side(model, tokenizer, cfg: ParetoConfig):
 
 
 def key_reading(model, point: Point, keys, work, key: str) -> dict:
-    """{keys_lost, key_worst_ratio} of the point (tuning.read_keys through the same runtime as its quality, every
+    """{keys_lost, key_worst_ratio} of the point (keycheck.read_keys through the same runtime as its quality, every
     length sparse), read from / kept in ``work`` as unit ``key``; both None when the check is off or dense holds
     no key (nothing to lose: no claim either way)."""
     from ..fidelity import as_artifact
-    from ..tuning import read_keys
+    from ..keycheck import read_keys
 
     if keys is None or not keys.held:
         return {"keys_lost": None, "key_worst_ratio": None}
