@@ -191,9 +191,9 @@ def _pick_layer(layer: list[HeadCurve], lam: float) -> list[int]:
     sparse = [_pick_sparse(c, lam) for c in layer]
     if None not in sparse:
         options.append((0, sparse))
-    if layer[0].split_cost > 0:
-        shared = set.intersection(*(set(c.usable()) for c in layer))
-        options += [(2 + i, [min((i, DENSE), key=lambda j: _objective(c, lam, j)) for c in layer]) for i in sorted(shared)]
+    if layer[0].split_cost > 0:  # a head without a usable i is dense in i's one-launch layer
+        one = lambda c, i: min((i, DENSE), key=lambda j: _objective(c, lam, j)) if i in c.usable() else DENSE
+        options += [(2 + i, [one(c, i) for c in layer]) for i in sorted(set().union(*(c.usable() for c in layer)))]
     return min(options, key=lambda o: (total(o[1]), o[0]))[1]
 
 
