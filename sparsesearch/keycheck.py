@@ -33,8 +33,7 @@ class DenseKeys(NamedTuple):
 
 def dense_keys(model, tokenizer, samples: list) -> DenseKeys:
     """The model's own attention on ``samples`` (passkey prompts with answers): one teacher-forced forward each
-    (``fidelity.answer_probs``), read as ``DenseKeys``. Shared by the retrieval guard and ``sparsesearch pareto``
-    so that both call a key held, and lost, by one rule."""
+    (``fidelity.answer_probs``), read as ``DenseKeys``."""
     from .fidelity import answer_probs
 
     steps = [key_steps(tokenizer, s.answer_ids) for s in samples]
@@ -63,9 +62,8 @@ def dense_keys_until(model, tokenizer, draw: Callable[[int], object], want: int,
 def read_keys(model, keys: DenseKeys, artifact, *, min_tokens: int = 1) -> KeyCheck:
     """KeyCheck of ``artifact`` (``manifest`` + ``heads``, ``fidelity.as_artifact``; ``min_tokens``: the runtime's
     dense cut-off, 1 for the patterns at every length) on the prompts whose key dense holds (``keys.held``, at
-    least one): misses, those where a key token falls below KEEPS x its dense
-    probability; worst, the lowest sparse / dense ratio of any such token. One sparse forward per held prompt;
-    prompts dense does not retrieve are never run (a key dense cannot give is no key to lose)."""
+    least one): misses, those where a key token falls below KEEPS x its dense probability; worst, the lowest
+    sparse / dense ratio of any such token. One sparse forward per held prompt."""
     from .fidelity import answer_probs
 
     ratio = [answer_probs(model, keys.samples[i], artifact, min_tokens=min_tokens)[0][keys.steps[i]] / keys.dense[i] for i in keys.held]
