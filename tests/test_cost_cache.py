@@ -182,8 +182,8 @@ def test_measured_dense_price_on_a_gpu(tmp_path):
 
 
 def test_mix_price_is_the_mixed_calls_time_over_its_per_head_prices(tmp_path, monkeypatch):
-    # one A-shape launch over every head (2.0), SDPA over the layer (4.0), the runtime's mixed call (5.0):
-    # per-head prices say (2.0 + 3 x 4.0) / 4 = 3.5, so the layer pays 1.5 more when it mixes
+    # one A-shape launch over every head (2.0), SDPA over the layer (4.0), the runtime's call with half the heads
+    # sparse (5.0): per-head prices say (2 x 2.0 + 2 x 4.0) / 4 = 3.0, so the layer pays 2.0 more when it mixes
     from sparsesearch.calibrate import mix_cost
     from sparsesearch.search.cost import AnalyticCost
 
@@ -192,9 +192,9 @@ def test_mix_price_is_the_mixed_calls_time_over_its_per_head_prices(tmp_path, mo
     monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (run(), next(times))[1])  # runs each call on the CPU
     costs = MeasuredCost(cache_path=tmp_path / "c.json")
     q, k, v = _layer()
-    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(1.5)
+    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(2.0)
     timed = costs.timed
-    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(1.5) and costs.timed == timed  # cached per shape
+    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(2.0) and costs.timed == timed  # cached per shape
     assert mix_cost(q, k, v, costs, "kv", None) == 0.0  # one KV head: the layer cannot mix
     assert mix_cost(q, k, v, AnalyticCost(), "query", None) == 0.0  # a CPU's allocations are what they were
 

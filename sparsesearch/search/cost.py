@@ -312,37 +312,42 @@ class MeasuredCost:
 
     def mix_ms(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_space: str, scale: float) -> float:
         """ms a layer pays on top of its heads' own prices when it mixes sparse and dense heads: the runtime's
-        call (runtime/run.py: one sparse launch for head 0 of the head space, SDPA over the rest) minus what
-        per-head prices add up to for it (that launch over every head / H, plus (H - 1) SDPA shares), at >= 0.
-        q [1, Hq, N, D], k/v [1, Hkv, N, D]; 0 where the head space has one head (a layer cannot mix).
+        call (runtime/run.py: one sparse launch over the first half of the head space's heads, SDPA over the
+        rest) minus what per-head prices add up to for it (that launch's share of one over every head, plus the
+        other heads' SDPA shares), at >= 0. q [1, Hq, N, D], k/v [1, Hkv, N, D]; 0 where the head space has one
+        head (a layer cannot mix).
 
         Per-head prices alone made a layer with one sparse head among dense ones look cheaper than dense when it
         cost more: Gemma 3 on an H200, 16K-32K, 0.25-0.55 ms more than the sum (benchmarks/mixed_layer.py), so
-        the allocation sparsified single heads of layers 5 and 11 for KL and no saving. One A-shape head stands
-        for every candidate: the extra is launches, gathers and copies, not the pattern's own work."""
+        the allocation sparsified single heads of layers 5 and 11 for KL and no saving. One A-shape stands for
+        every candidate. Its window is a quarter of the length and it covers half the heads: the extra grows with
+        the sparse launch's width and its head count (Run 36's rows at 16K: 0.105 / 0.145 / 0.138 ms for 1 / 2 / 3
+        of 4 heads on a 2048 window, 0.168 / 0.193 / 0.160 on 6144), and one head on 64/512 measured 0.081 where
+        Run 40's layer of two heads on 4096 windows paid 0.21."""
         from ..execute import HeadGroup, dense_heads, device_ids, query_heads, sparse_attend, static_index
         from ..patterns.ashape import AShapeParams
 
         heads = k.shape[1] if head_space == "kv" else q.shape[1]
         if heads < 2:
             return 0.0
-        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|mix"
+        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|mix-half"
         if key not in self._cache:
-            n, group = q.shape[2], q.shape[1] // k.shape[1]
+            n, group, half = q.shape[2], q.shape[1] // k.shape[1], heads // 2
             out, lse = _out_buffers(q)
-            g_all = HeadGroup("ashape", AShapeParams(sink=64, local=512), tuple(range(heads)), 64, 64)
-            g_one = HeadGroup("ashape", g_all.params, (0,), 64, 64)
-            index_all, index_one = (static_index(g, n, n, head_space, q.device) for g in (g_all, g_one))
-            ids_all, ids_one = (device_ids(g.heads, q.device, torch.int32) for g in (g_all, g_one))
-            rest = [h for h in range(q.shape[1]) if h not in query_heads(g_one.heads, head_space, group)]
+            params = AShapeParams(sink=64, local=max(64, n // 4 // 64 * 64))
+            g_all = HeadGroup("ashape", params, tuple(range(heads)), 64, 64)
+            g_half = HeadGroup("ashape", params, tuple(range(half)), 64, 64)
+            index_all, index_half = (static_index(g, n, n, head_space, q.device) for g in (g_all, g_half))
+            ids_all, ids_half = (device_ids(g.heads, q.device, torch.int32) for g in (g_all, g_half))
+            rest = [h for h in range(q.shape[1]) if h not in query_heads(g_half.heads, head_space, group)]
 
             def mixed() -> None:
-                sparse_attend(q, k, v, index_one, scale, ids_one, out, lse)
+                sparse_attend(q, k, v, index_half, scale, ids_half, out, lse)
                 dense_heads(q, k, v, rest, scale, out)
 
             sparse_all = self._time(lambda: sparse_attend(q, k, v, index_all, scale, ids_all, out, lse))
             sdpa = float(self.dense_ms(q, k, v, head_space, scale).sum())
-            self._cache[key] = max(0.0, self._time(mixed) - (sparse_all + (heads - 1) * sdpa) / heads)
+            self._cache[key] = max(0.0, self._time(mixed) - (half * sparse_all + (heads - half) * sdpa) / heads)
             self.timed += 1
             self._dirty = True
         return self._cache[key]
