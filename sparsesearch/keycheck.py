@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 from .search.targets import KeyCheck
 
 KEEPS = 0.5  # a sparse point loses a key when a digit's probability halves: rounding moves it by a few percent
+DRAWS = 4  # reading until dense holds N keys stops after N x DRAWS prompts (calibrate's guard, pareto --keys)
 
 
 class DenseKeys(NamedTuple):
@@ -43,12 +44,12 @@ def dense_keys(model, tokenizer, samples: list) -> DenseKeys:
     return DenseKeys(list(samples), steps, dense, held)
 
 
-def dense_keys_until(model, tokenizer, draw: Callable[[int], object], want: int, limit: int) -> DenseKeys:
+def dense_keys_until(model, tokenizer, draw: Callable[[int], object], want: int, limit: int | None = None) -> DenseKeys:
     """``dense_keys`` over draw(0), draw(1), ... (a prompt each) until dense holds ``want`` keys or ``limit``
-    prompts were read. A fixed count says little where dense holds few: Gemma 3 at 16K held 1 of 4 held-out
+    prompts were read (default want x DRAWS). A fixed count says little where dense holds few: Gemma 3 at 16K held 1 of 4 held-out
     keys, the one nearest the end, which every A-shape keeps (RESULTS Run 40)."""
     samples, steps, dense, held = [], [], [], []
-    for j in range(limit):
+    for j in range(want * DRAWS if limit is None else limit):
         one = dense_keys(model, tokenizer, [draw(j)])
         samples += one.samples
         steps += one.steps

@@ -3,7 +3,7 @@
 - the KL: teacher-forced KL(dense || sparse) over every position of ``tune_samples`` calibration prompts
   after the searched ones (``tuning_kl``), the value the Lagrangian path is bisected on;
 - the retrieval guard: passkey prompts at the calibration length, read until the dense model retrieves
-  ``retrieval_guard`` keys (at most GUARD_DRAWS x that many prompts), a point passing when none of those keys
+  ``retrieval_guard`` keys (at most keycheck.DRAWS x that many prompts), a point passing when none of those keys
   is lost with the sparse runtime (``retrieval_guard``).
   Average KL cannot see a lost needle: on Gemma 3 270M at 8K (H200, RESULTS Run 33) the wide-space
   ``--target-kl 0.02`` artifact held teacher-forced KL 0.0048 on the passkey prompts while answering 14 of
@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from .keycheck import KEEPS as GUARD_KEEPS, DenseKeys, dense_keys_until, read_keys
+from .keycheck import KEEPS as GUARD_KEEPS, dense_keys_until, read_keys
 from .search.targets import KeyCheck
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class TuningMemo:
 
     reference: object | None = None
     kl: dict[str, float] = field(default_factory=dict)
-    guard: tuple | None = None  # the retrieval guard's dense side: (samples, key steps, dense digit p, held, record)
+    guard: tuple | None = None  # the retrieval guard's dense side: (keycheck.DenseKeys, the manifest's record)
     keys: dict[str, KeyCheck] = field(default_factory=dict)  # each guard reading, by the allocation's rows
 
 
@@ -132,9 +132,6 @@ def tuning_record(cfg: "CalibrateConfig") -> dict:
             "why": "calibration-stream samples after the searched ones: disjoint from the search's samples and from held-out data"}
 
 
-GUARD_DRAWS = 4  # --retrieval-guard N: prompts are read until dense holds N keys or N x GUARD_DRAWS were read
-
-
 def guard_prompt(cfg: "CalibrateConfig", tokenizer, j: int):
     """Guard prompt j, a passkey prompt at the calibration length: the synthetic stream's seed ``cfg.seed + j``
     (the j-th of ``load_calibration(..., seed=cfg.seed)``), disjoint from the held-out prompts (seeded from
@@ -157,30 +154,29 @@ def retrieval_guard(cfg: "CalibrateConfig", model, tokenizer, manifest: dict, fi
     memo = memo if memo is not None else TuningMemo()
     if memo.guard is None:
         memo.guard = _guard_dense(cfg, model, tokenizer)
-    samples, steps, dense, held, record = memo.guard
-    if not held:
-        return None, {**record, "held": None, "why": f"dense retrieves none of the {len(samples)} guard keys: nothing to hold"}
+    keys, record = memo.guard
+    if not keys.held:
+        return None, {**record, "held": None, "why": f"dense retrieves none of the {len(keys.samples)} guard keys: nothing to hold"}
 
     def check_of(rows: list[dict]) -> KeyCheck:
         key = _rows_key(fixed_rows + rows)
         if key in memo.keys:
             return memo.keys[key]
         if progress is not None:
-            progress.stage(f"retrieval guard: the {len(held)} keys dense retrieves, through the runtime")
-        memo.keys[key] = read_keys(model, DenseKeys(samples, steps, dense, held), as_artifact(manifest, fixed_rows + rows))
+            progress.stage(f"retrieval guard: the {len(keys.held)} keys dense retrieves, through the runtime")
+        memo.keys[key] = read_keys(model, keys, as_artifact(manifest, fixed_rows + rows))
         return memo.keys[key]
 
     return check_of, record
 
 
 def _guard_dense(cfg: "CalibrateConfig", model, tokenizer) -> tuple:
-    """The guard's dense side: (its prompts, each one's key steps, dense's probability of each key digit, the
-    indices of the prompts whose key dense retrieves, the manifest's record). Prompts are read until dense
-    retrieves ``cfg.retrieval_guard`` keys (at most GUARD_DRAWS x that many): with a fixed count, Gemma 3 at
+    """The guard's dense side: (keycheck.DenseKeys of its prompts, the manifest's record). Prompts are read until
+    dense retrieves ``cfg.retrieval_guard`` keys (at most keycheck.DRAWS x that many): with a fixed count, Gemma 3 at
     16K held one key of four, and that one prompt decided every target's layers (RESULTS Run 40)."""
-    want = cfg.retrieval_guard
-    samples, steps, dense, held = dense_keys_until(model, tokenizer, lambda j: guard_prompt(cfg, tokenizer, j), want, want * GUARD_DRAWS)
-    record = {"data": GUARD_DATA, "wanted": want, "prompts": len(samples), "tokens": max(len(s.input_ids) for s in samples), "seed": cfg.seed,
-              "dense_retrieves": len(held), "rule": f"held: every digit dense's most likely token; lost: a digit below "
-              f"{GUARD_KEEPS} x its dense p (teacher-forced)", "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in dense]}
-    return samples, steps, dense, held, record
+    keys = dense_keys_until(model, tokenizer, lambda j: guard_prompt(cfg, tokenizer, j), cfg.retrieval_guard)
+    record = {"data": GUARD_DATA, "wanted": cfg.retrieval_guard, "prompts": len(keys.samples), "seed": cfg.seed,
+              "tokens": max(len(s.input_ids) for s in keys.samples), "dense_retrieves": len(keys.held),
+              "rule": f"held: every digit dense's most likely token; lost: a digit below {GUARD_KEEPS} x its dense p (teacher-forced)",
+              "dense_min_p": [round(float(p.min()), 4) if p.numel() else None for p in keys.dense]}
+    return keys, record

@@ -181,30 +181,35 @@ def test_measured_dense_price_on_a_gpu(tmp_path):
     assert costs.dense_ms(q, k, v, "kv", 0.125).tolist() == [float(per_head.sum())] and costs.timed == 1
 
 
-def test_mix_price_is_the_mixed_calls_time_over_its_per_head_prices(tmp_path, monkeypatch):
-    # one A-shape launch over every head (2.0), SDPA over the layer (4.0), the runtime's call with half the heads
-    # sparse (5.0): per-head prices say (2 x 2.0 + 2 x 4.0) / 4 = 3.0, so the layer pays 2.0 more when it mixes
-    from sparsesearch.calibrate import mix_cost
+# The layer prices calibrate saves beside each head's (calibrate.mix_cost / split_cost), from stood-in timings:
+# - mix: one A-shape launch over every head (2.0), SDPA over the layer (4.0), the runtime's call with half the heads
+#   sparse (5.0): per-head prices say (2 x 2.0 + 2 x 4.0) / 4 = 3.0, so the layer pays 2.0 more when it mixes;
+# - split: one A-shape launch over the 4 heads (2.0), then one launch per head (5.0 in all): 3 launches more cost
+#   3.0, so each launch past a layer's first costs 1.0.
+@pytest.mark.parametrize("price, times, want", [("mix_cost", [2.0, 4.0, 5.0], 2.0), ("split_cost", [2.0, 5.0], 1.0)])
+def test_a_layer_price_is_the_runtimes_call_over_its_per_head_prices(tmp_path, monkeypatch, price, times, want):
+    import sparsesearch.calibrate as cal
     from sparsesearch.search.cost import AnalyticCost
 
-    times = iter([2.0, 4.0, 5.0])
+    of, times = getattr(cal, price), iter(times)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
     monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (run(), next(times))[1])  # runs each call on the CPU
     costs = MeasuredCost(cache_path=tmp_path / "c.json")
     q, k, v = _layer()
-    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(2.0)
+    assert of(q, k, v, costs, "query", None) == pytest.approx(want)
     timed = costs.timed
-    assert mix_cost(q, k, v, costs, "query", None) == pytest.approx(2.0) and costs.timed == timed  # cached per shape
-    assert mix_cost(q, k, v, costs, "kv", None) == 0.0  # one KV head: the layer cannot mix
-    assert mix_cost(q, k, v, AnalyticCost(), "query", None) == 0.0  # a CPU's allocations are what they were
+    assert of(q, k, v, costs, "query", None) == pytest.approx(want) and costs.timed == timed  # cached per shape
+    assert of(q, k, v, costs, "kv", None) == 0.0  # one KV head: the layer cannot mix, and runs one launch
+    assert of(q, k, v, AnalyticCost(), "query", None) == 0.0  # the analytic model has neither: a CPU's allocations are what they were
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times the runtime's calls on a GPU")
-def test_measured_mix_price_on_a_gpu(tmp_path):
+@pytest.mark.parametrize("price", ["mix_ms", "split_ms"])
+def test_measured_layer_prices_on_a_gpu(tmp_path, price):
     costs = MeasuredCost(cache_path=tmp_path / "c.json")
     q, k, v = (t.half() for t in _layer(n=4096, device="cuda"))
-    mix = costs.mix_ms(q, k, v, "query", 0.125)
-    assert 0 <= mix < 50 and costs.mix_ms(q, k, v, "query", 0.125) == mix
+    got = getattr(costs, price)(q, k, v, "query", 0.125)
+    assert 0 <= got < 50 and getattr(costs, price)(q, k, v, "query", 0.125) == got
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times kernels on a GPU")
@@ -252,29 +257,3 @@ def test_a_launch_is_timed_once_learned_by_the_table_and_a_dynamic_build_timed_l
     dynamic = block_topk.build_index(block_topk.BlockTopKParams(k_blocks=2), q, torch.zeros(1, 2, 512, 16), block_m=64, block_n=64)
     assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 9.0, build=build).tolist() == [0.375, 0.375]
     assert costs.cost_ms("block_topk", density, 512, q, dynamic, run, 0.001).tolist() == pytest.approx([0.75, 0.75])  # 0.5 + 1 ms wall
-
-
-def test_launch_price_is_the_split_launches_time_over_one_launch(tmp_path, monkeypatch):
-    # one A-shape launch over the 4 heads (2.0), then one launch per head (5.0 in all): 3 launches more cost 3.0,
-    # so each launch past a layer's first costs 1.0
-    from sparsesearch.calibrate import split_cost
-    from sparsesearch.search.cost import AnalyticCost
-
-    times = iter([2.0, 5.0])
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "GPU X")
-    monkeypatch.setattr(MeasuredCost, "_time", lambda self, run: (run(), next(times))[1])  # runs each call on the CPU
-    costs = MeasuredCost(cache_path=tmp_path / "c.json")
-    q, k, v = _layer()
-    assert split_cost(q, k, v, costs, "query", None) == pytest.approx(1.0)
-    timed = costs.timed
-    assert split_cost(q, k, v, costs, "query", None) == pytest.approx(1.0) and costs.timed == timed  # cached per shape
-    assert split_cost(q, k, v, costs, "kv", None) == 0.0  # one KV head: one launch
-    assert split_cost(q, k, v, AnalyticCost(), "query", None) == 0.0  # the analytic model has no launches
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the runtime's launches on a GPU")
-def test_measured_launch_price_on_a_gpu(tmp_path):
-    costs = MeasuredCost(cache_path=tmp_path / "c.json")
-    q, k, v = (t.half() for t in _layer(n=4096, device="cuda"))
-    split = costs.split_ms(q, k, v, "query", 0.125)
-    assert 0 <= split < 50 and costs.split_ms(q, k, v, "query", 0.125) == split

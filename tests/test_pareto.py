@@ -211,25 +211,32 @@ def test_a_hybrid_model_reports_its_searchable_layers_cost(tmp_path):
     assert cheap["searchable_cost_fraction"] < cheap["cost_fraction"] < 1
 
 
-def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):
-    from sparsesearch.pareto import ParetoConfig, pareto, run
+def killed_after_one_point(monkeypatch, cfg) -> None:
+    """Run ``pareto(cfg)`` stopped like a kill (KeyboardInterrupt) as its second point starts, then put the
+    real per-point quality back, so the caller can resume."""
+    from sparsesearch.pareto import pareto, run
 
-    out = tmp_path / "r"
-    cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "dense"], budgets=[0.3], tokens=256, out=out, device="cpu", dtype="float32")
-    calls = []
-    real = run.quality
+    real, calls = run.quality, []
 
-    def killed_after_one(model, tok, point, reference, work, key):
+    def killed(model, tok, point, reference, work, key):
         if calls:
             raise KeyboardInterrupt
         calls.append(point.label)
         return real(model, tok, point, reference, work, key)
 
-    monkeypatch.setattr(run, "quality", killed_after_one)
+    monkeypatch.setattr(run, "quality", killed)
     with pytest.raises(KeyboardInterrupt):
         pareto(cfg)
-    assert len(list(partial_path(out, "pareto").glob("*.json"))) == 2  # state + the finished point
     monkeypatch.setattr(run, "quality", real)
+
+
+def test_resume_reuses_finished_points(tiny_dir, tmp_path, monkeypatch):
+    from sparsesearch.pareto import ParetoConfig, pareto
+
+    out = tmp_path / "r"
+    cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "dense"], budgets=[0.3], tokens=256, out=out, device="cpu", dtype="float32")
+    killed_after_one_point(monkeypatch, cfg)
+    assert len(list(partial_path(out, "pareto").glob("*.json"))) == 2  # state + the finished point
     evaluated = []
     import sparsesearch.fidelity as fidelity
 

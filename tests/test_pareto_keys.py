@@ -176,27 +176,17 @@ def test_a_run_reads_every_points_keys_and_resume_reuses_them(tiny_dir, tmp_path
     import pandas as pd
 
     from keys_fake import dense_holds_every_key
-    from sparsesearch.pareto import ParetoConfig, pareto, run
+    from sparsesearch.pareto import ParetoConfig, pareto
+    from test_pareto import killed_after_one_point
 
     sparse_reads = dense_holds_every_key(monkeypatch)
     out = tmp_path / "r"
     cfg = ParetoConfig(model=tiny_dir, baselines=["streaming", "dense"], budgets=[0.3], tokens=256, keys=2, out=out,
                        device="cpu", dtype="float32")
-    real_quality, calls = run.quality, []
-
-    def killed_after_one(model, tok, point, reference, work, key):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(point.label)
-        return real_quality(model, tok, point, reference, work, key)
-
-    monkeypatch.setattr(run, "quality", killed_after_one)
-    with pytest.raises(KeyboardInterrupt):
-        pareto(cfg)
+    killed_after_one_point(monkeypatch, cfg)
     units = {p.name for p in partial_path(out, "pareto").glob("*.json")}
     assert len(units) == 3 and sum(n.endswith("-keys2.json") for n in units) == 1, units  # state, quality, keys
     assert sparse_reads == [1, 1], "the first point: one sparse read per held prompt, every length sparse"
-    monkeypatch.setattr(run, "quality", real_quality)
     sparse_reads.clear()
     cfg.resume = True
     report = pareto(cfg)

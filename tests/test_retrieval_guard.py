@@ -76,7 +76,7 @@ def test_a_guard_dense_cannot_answer_is_recorded_not_applied(tmp_path):
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=2)
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
     assert misses_of is None  # a random tiny model answers no passkey
-    # dense holds none of them: every prompt up to GUARD_DRAWS x 2 is read looking for 2 keys
+    # dense holds none of them: every prompt up to keycheck.DRAWS x 2 is read looking for 2 keys
     assert record["data"] == GUARD_DATA and record["prompts"] == 8 and record["wanted"] == 2 and record["dense_retrieves"] == 0
     assert len(record["dense_min_p"]) == 8 and all(p < 0.5 for p in record["dense_min_p"]), "a random tiny model retrieves no key"
     assert record["held"] is None and "nothing to hold" in record["why"]
@@ -150,7 +150,6 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
     -> 0.18); only held prompts run sparse. The model's forwards are stood in for by tables."""
     import sparsesearch.fidelity as fid
     import sparsesearch.keycheck as keycheck
-    import sparsesearch.tuning as tuning
     from sparsesearch.models import load_model
 
     model, tok, _ = load_model(make_tiny_model(tmp_path / "tiny"), dtype="float32", device="cpu")
@@ -164,7 +163,7 @@ def test_the_guard_holds_keys_dense_retrieves_and_counts_those_a_point_loses(tmp
 
     monkeypatch.setattr(fid, "answer_probs", fake_answer_probs)
     monkeypatch.setattr(keycheck, "key_steps", lambda tokenizer, ids: [1, 2])
-    monkeypatch.setattr(tuning, "GUARD_DRAWS", 1)  # exactly the table's prompts (reading until held: test_pareto_keys)
+    monkeypatch.setattr(keycheck, "DRAWS", 1)  # exactly the table's prompts (reading until held: test_pareto_keys)
     cfg = CalibrateConfig(model="tiny", data="synthetic:passkey", max_tokens=256, retrieval_guard=len(dense))
     misses_of, record = retrieval_guard(cfg, model, tok, {}, [])
     assert record["dense_retrieves"] == len(held) and len(record["dense_min_p"]) == len(dense)

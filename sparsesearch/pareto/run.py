@@ -8,8 +8,8 @@ artifact, every baseline family at every budget, pareto/baselines.py):
 - quality: the point through the sparse runtime on the same windows against the one dense run
   (fidelity.evaluate_against: teacher-forced KL and perplexity over every position, retrieval counts where
   the data has answers), every length sparse (min_tokens 1: the patterns' quality, not the cut-off's);
-- keys: passkey prompts at the same length, read until dense holds ``--keys`` keys (at most KEY_DRAWS x that
-  many prompts, needle depths spread by ``key_depth``), each key's digits read teacher-forced the way
+- keys: passkey prompts at the same length, read until dense holds ``--keys`` keys (at most keycheck.DRAWS x
+  that many prompts, needle depths spread by ``key_depth``), each key's digits read teacher-forced the way
   calibration's retrieval guard reads them (sparsesearch/keycheck.py: held by dense when every digit is
   dense's most likely token, lost when a digit falls below GUARD_KEEPS of its dense probability). Average KL
   cannot see a lost needle (one answer among thousands of positions), and the searched artifacts were held to
@@ -34,7 +34,7 @@ from .baselines import DEFAULT_BUDGETS, FAMILIES, Point, baseline_points, check_
 
 STREAM_ORDER_DATA = "text:shakespeare"  # the calibration part (never the held-out plays) ranks duo's heads
 KEY_DATA = "synthetic:passkey"  # the retrieval guard's data (tuning.GUARD_DATA), read from its held-out seeds
-DEFAULT_KEYS = 4  # as many prompts as calibrate's --retrieval-guard reads by default
+DEFAULT_KEYS = 4  # as many keys as calibrate's --retrieval-guard holds by default
 
 
 @dataclass
@@ -92,9 +92,9 @@ def preflight(cfg: ParetoConfig):
 
 
 def check_keys(keys: int) -> None:
-    """--keys: a count of passkey prompts, 0 for no key check (ValueError, one line)."""
+    """--keys: how many keys dense must hold, 0 for no key check (ValueError, one line)."""
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
-        raise ValueError(f"--keys must be a whole number >= 0 (passkey prompts; 0 turns the key check off), got {keys!r}")
+        raise ValueError(f"--keys must be a whole number >= 0 (passkey keys dense must hold; 0 turns the key check off), got {keys!r}")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -242,9 +242,6 @@ def quality(model, tokenizer, point: Point, reference, work, key: str) -> dict:
     return result
 
 
-KEY_DRAWS = 4  # --keys K: held-out prompts are read until dense holds K keys or K x KEY_DRAWS prompts were read
-
-
 def key_depth(j: int) -> float:
     """The needle depth of key prompt j: the base-2 van der Corput sequence (1/2, 1/4, 3/4, 1/8, 5/8, 3/8, ...),
     so the prompts read when the reading stops are spread over the context, start to end."""
@@ -267,13 +264,13 @@ def key_prompt(cfg: ParetoConfig, tokenizer, j: int):
 
 def dense_side(model, tokenizer, cfg: ParetoConfig):
     """(keycheck.DenseKeys of the key prompts read until dense holds ``cfg.keys`` keys, at most cfg.keys x
-    KEY_DRAWS of them; the report's record of them), or (None, None) with --keys 0."""
+    keycheck.DRAWS of them; the report's record of them), or (None, None) with --keys 0."""
     from ..data.calibration import HELD_OUT_OFFSET
-    from ..keycheck import KEEPS, dense_keys_until
+    from ..keycheck import DRAWS, KEEPS, dense_keys_until
 
     if not cfg.keys:
         return None, None
-    keys = dense_keys_until(model, tokenizer, lambda j: key_prompt(cfg, tokenizer, j), cfg.keys, cfg.keys * KEY_DRAWS)
+    keys = dense_keys_until(model, tokenizer, lambda j: key_prompt(cfg, tokenizer, j), cfg.keys)
     read = len(keys.samples)
     record = {"data": KEY_DATA, "part": "held-out", "wanted": cfg.keys, "prompts": read,
               "tokens": max(len(s.input_ids) for s in keys.samples),
@@ -282,7 +279,7 @@ def dense_side(model, tokenizer, cfg: ParetoConfig):
               "held_depths": [round(key_depth(j), 4) for j in keys.held],
               "rule": f"held by dense: every key digit dense's most likely token; lost: a digit below {KEEPS} x its dense p "
                       f"(teacher-forced, as calibrate's retrieval guard); prompts read until dense holds {cfg.keys} or "
-                      f"{cfg.keys * KEY_DRAWS} were read",
+                      f"{cfg.keys * DRAWS} were read",
               "why": "held-out seeds: calibration's guard held the searched artifacts to the calibration seeds' keys"}
     return keys, record
 

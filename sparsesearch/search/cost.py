@@ -325,16 +325,15 @@ class MeasuredCost:
         of 4 heads on a 2048 window, 0.168 / 0.193 / 0.160 on 6144), and one head on 64/512 measured 0.081 where
         Run 40's layer of two heads on 4096 windows paid 0.21."""
         from ..execute import HeadGroup, dense_heads, device_ids, query_heads, sparse_attend, static_index
-        from ..patterns.ashape import AShapeParams
 
         heads = k.shape[1] if head_space == "kv" else q.shape[1]
         if heads < 2:
             return 0.0
-        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|mix-half"
+        key = _layer_key(q, k, head_space, "mix-half")
         if key not in self._cache:
             n, group, half = q.shape[2], q.shape[1] // k.shape[1], heads // 2
             out, lse = _out_buffers(q)
-            params = AShapeParams(sink=64, local=max(64, n // 4 // 64 * 64))
+            params = _quarter_ashape(n)
             g_all = HeadGroup("ashape", params, tuple(range(heads)), 64, 64)
             g_half = HeadGroup("ashape", params, tuple(range(half)), 64, 64)
             index_all, index_half = (static_index(g, n, n, head_space, q.device) for g in (g_all, g_half))
@@ -363,16 +362,15 @@ class MeasuredCost:
         0.75 ms where it ran 0.96 and SDPA takes 0.92 (RESULTS Run 39). One A-shape at a quarter of the length
         stands for every candidate: wide enough that the grid's tail counts, not only the launch."""
         from ..execute import HeadGroup, device_ids, sparse_attend, static_index
-        from ..patterns.ashape import AShapeParams
 
         heads = k.shape[1] if head_space == "kv" else q.shape[1]
         if heads < 2:
             return 0.0
-        key = f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|split"
+        key = _layer_key(q, k, head_space, "split")
         if key not in self._cache:
             n = q.shape[2]
             out, lse = _out_buffers(q)
-            params = AShapeParams(sink=64, local=max(64, n // 4 // 64 * 64))
+            params = _quarter_ashape(n)
             groups = [HeadGroup("ashape", params, tuple(range(heads)), 64, 64)]
             groups += [HeadGroup("ashape", params, (h,), 64, 64) for h in range(heads)]
             launches = [(static_index(g, n, n, head_space, q.device), device_ids(g.heads, q.device, torch.int32)) for g in groups]
@@ -396,6 +394,19 @@ class MeasuredCost:
         head cost 0.32 of dense (RESULTS Run 37). Events only where the profiler sees no device time."""
         ms = kernel_ms(run, reps=self.reps, warmup=1)
         return ms if ms > 0 else _event_ms(run, self.reps)
+
+
+def _layer_key(q: torch.Tensor, k: torch.Tensor, head_space: str, price: str) -> str:
+    """The cache key of a per-layer price (``mix-half``, ``split``) at this device, shape and head space."""
+    return f"{torch.cuda.get_device_name(q.device)}|{tuple(q.shape)}|{tuple(k.shape)}|{q.dtype}|{head_space}|{price}"
+
+
+def _quarter_ashape(n: int):
+    """The A-shape that stands for every candidate in the per-layer prices: sink 64, a window a quarter of the
+    length (whole 64-blocks), wide enough that the grid's tail counts, not only the launch."""
+    from ..patterns.ashape import AShapeParams
+
+    return AShapeParams(sink=64, local=max(64, n // 4 // 64 * 64))
 
 
 def _out_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
